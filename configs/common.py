@@ -1,0 +1,88 @@
+"""Defaults shared by every config, and the algorithm presets selected with ``--config=...:<preset>``."""
+import ml_collections
+
+
+def base_config():
+  """Every key the trainer reads, with cosmos-rl's DDRL defaults (docs/reference/ddrl_in_cosmos_rl.md)."""
+  c = ml_collections.ConfigDict()
+  c.task = ''
+  c.algorithm = 'ddrl'
+  c.seed = 0
+  c.num_iterations = 1000       # optimizer steps (one per rollout batch)
+  c.batch_size = 16             # B condition groups per step
+  c.num_rollouts = 8            # N rollouts per group
+  c.log_every = 1
+  c.checkpoint_every = 32
+  c.max_checkpoints = 3
+  c.eval_every = 0              # 0: only at the end
+  c.eval_samples = 1024
+
+  c.sampler = ml_collections.ConfigDict(dict(
+      kind='',                  # '' = the algorithm's default (ddrl: cosmos_2ab, flow_grpo: flow_sde, ...)
+      num_steps=20, sigma_min=0.01, sigma_max=200.0, rho=7.0, s_churn=1.0, s_noise=1.0,
+      shift=3.0, noise_level=0.7, eta=0.3))
+
+  c.rl = ml_collections.ConfigDict(dict(
+      train_steps=ml_collections.FieldReference(None, field_type=tuple),  # None: algorithm default
+      train_fraction=0.6,       # random-step algorithms: fraction of the candidate steps per rollout
+      clip_range=1e-4,
+      adv_clip=5.0, adv_eps=1e-4,
+      adv_transform='',         # '' (z-score), 'neg_exp' (-exp(-A)), 'exact' (-exp(-(r - Z)/beta))
+      exact_beta=1.0,           # beta of the 'exact' transform
+      exact_log_partition=ml_collections.FieldReference(None, field_type=float),  # Z; None: group est.
+      log_ratio='',             # '' = algorithm default ('cosmos' for ddrl, 'gaussian' otherwise)
+      old_mean='rollout',       # 'rollout' (stored means) or 'detached' (exactly on-policy ratio)
+      data_beta=0.01,
+      data_loss_steps='full',   # 'full' or 'reduced'
+      data_noise='rollout',     # 'rollout' or 'fresh'
+      cond_dropout=0.2,
+      data_weighting='cosmos',  # 'cosmos', 'path_kl' or 'none'
+      kl_beta=0.0,
+      loss_scale=10.0))
+
+  c.optim = ml_collections.ConfigDict(dict(
+      learning_rate=1e-5, b1=0.9, b2=0.99, eps=1e-8, weight_decay=1e-4,
+      warmup_steps=50, warmup_init_factor=1e-6, grad_clip=1.0,
+      ema_power_s=0.1))         # power EMA as cosmos-rl; None disables
+
+  # Mesh sizes; -1 fills with the remaining devices. Batches shard their B axis over (data, fsdp).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
+  return c
+
+
+PRESETS = ('ddrl', 'ddrl_reduced', 'ddrl_exact', 'flow_grpo', 'dance_grpo', 'ddpo')
+
+
+def apply_algorithm_preset(config, preset):
+  """Sets the algorithm and its recipe-specific keys. Unknown presets raise naming the choices."""
+  if preset not in PRESETS:
+    raise ValueError(f'unknown config preset {preset!r}; known: {PRESETS}')
+  rl = config.rl
+  if preset in ('ddrl', 'ddrl_reduced'):
+    config.algorithm = 'ddrl'
+    rl.data_loss_steps = 'reduced' if preset == 'ddrl_reduced' else 'full'
+  elif preset == 'ddrl_exact':
+    # Theorem 3.1 as stated: lambda(x) = -exp(-x) advantages, the sampler's exact path-KL weight on the
+    # data loss, normalized log-probs, every step trained, data_beta 1 (beta sits inside the transform).
+    config.algorithm = 'ddrl'
+    config.sampler.kind = 'flow_sde'
+    config.sampler.noise_level = 1.0
+    config.sampler.shift = 1.0
+    rl.adv_transform = 'exact'
+    rl.log_ratio = 'gaussian'
+    rl.data_weighting = 'path_kl'
+    rl.data_beta = 1.0
+    rl.data_noise = 'fresh'
+    rl.cond_dropout = 0.0
+    rl.train_steps = tuple(range(config.sampler.num_steps))
+    rl.old_mean = 'detached'
+    rl.clip_range = 1e3
+  elif preset == 'flow_grpo':
+    config.algorithm = 'flow_grpo'
+    rl.kl_beta = 0.04
+  elif preset == 'dance_grpo':
+    config.algorithm = 'dance_grpo'
+  elif preset == 'ddpo':
+    config.algorithm = 'ddpo'
+    config.sampler.eta = 1.0
+    rl.train_fraction = 1.0

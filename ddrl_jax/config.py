@@ -1,0 +1,88 @@
+"""Config validation: runs before anything compiles and names the offending key."""
+from ddrl_jax import sampling
+from ddrl_jax.parallel import mesh as mesh_lib
+from ddrl_jax.rl import algorithms
+
+ADV_TRANSFORMS = ('', 'neg_exp', 'exact')
+
+
+class ConfigError(ValueError):
+  """A bad config value; the message starts with the key."""
+
+
+def _check(ok, key, value, why):
+  if not ok:
+    raise ConfigError(f'config.{key}={value!r}: {why}')
+
+
+def sampler_kind(config):
+  """The sampler kind in use: config.sampler.kind or the algorithm's default."""
+  return config.sampler.kind or algorithms.get_algorithm(config.algorithm).default_sampler
+
+
+def train_steps(config):
+  """The trained steps (fixed algorithms) or candidate pool (random ones) as a tuple."""
+  algo = algorithms.get_algorithm(config.algorithm)
+  steps = config.rl.train_steps
+  return tuple(steps) if steps is not None else algo.default_train_steps(config.sampler.num_steps)
+
+
+def validate(config, num_devices):
+  """Raises ConfigError (a ValueError) naming the first bad key; returns the resolved mesh shape."""
+  _check(config.algorithm in algorithms.ALGORITHMS, 'algorithm', config.algorithm,
+         f'unknown algorithm; known: {sorted(algorithms.ALGORITHMS)}')
+  algo = algorithms.get_algorithm(config.algorithm)
+  _check(config.num_rollouts >= 2, 'num_rollouts', config.num_rollouts,
+         'need N >= 2 rollouts per group for a group-relative advantage')
+  _check(config.batch_size >= 1, 'batch_size', config.batch_size, 'need at least one group')
+  _check(config.num_iterations >= 0, 'num_iterations', config.num_iterations, 'must be >= 0')
+  kind = sampler_kind(config)
+  _check(kind in sampling.KINDS, 'sampler.kind', kind, f'unknown sampler; known: {sampling.KINDS}')
+  num_steps = config.sampler.num_steps
+  _check(num_steps >= 2, 'sampler.num_steps', num_steps, 'need T >= 2 steps')
+  rl = config.rl
+  _check(rl.clip_range > 0, 'rl.clip_range', rl.clip_range, 'the PPO clip range must be > 0')
+  steps = train_steps(config)
+  _check(len(steps) > 0, 'rl.train_steps', steps, 'no trained steps')
+  bad = [s for s in steps if not 0 <= s < num_steps]
+  _check(not bad, 'rl.train_steps', steps,
+         f'indices {bad} are outside [0, T) with T = sampler.num_steps = {num_steps}')
+  _check(len(set(steps)) == len(steps), 'rl.train_steps', steps, 'duplicate step indices')
+  if kind in ('cosmos_2ab', 'ddim'):
+    _check(num_steps - 1 not in steps, 'rl.train_steps', steps,
+           f'step T-1 = {num_steps - 1} of {kind} is deterministic (no Gaussian transition to train)')
+  _check(0 < rl.train_fraction <= 1, 'rl.train_fraction', rl.train_fraction, 'must be in (0, 1]')
+  _check(rl.adv_transform in ADV_TRANSFORMS, 'rl.adv_transform', rl.adv_transform,
+         f'known: {ADV_TRANSFORMS}')
+  if rl.adv_transform == 'exact':
+    _check(rl.exact_beta > 0, 'rl.exact_beta', rl.exact_beta, 'must be > 0')
+  _check(rl.log_ratio in ('', 'cosmos', 'gaussian'), 'rl.log_ratio', rl.log_ratio,
+         "known: '', 'cosmos', 'gaussian'")
+  _check(rl.old_mean in ('rollout', 'detached'), 'rl.old_mean', rl.old_mean,
+         "known: 'rollout', 'detached'")
+  _check(rl.data_beta >= 0, 'rl.data_beta', rl.data_beta, 'must be >= 0')
+  _check(rl.data_loss_steps in ('full', 'reduced'), 'rl.data_loss_steps', rl.data_loss_steps,
+         "known: 'full', 'reduced'")
+  _check(rl.data_noise in ('rollout', 'fresh'), 'rl.data_noise', rl.data_noise,
+         "known: 'rollout', 'fresh'")
+  _check(rl.data_weighting in ('cosmos', 'path_kl', 'none'), 'rl.data_weighting',
+         rl.data_weighting, "known: 'cosmos', 'path_kl', 'none'")
+  _check(0 <= rl.cond_dropout < 1, 'rl.cond_dropout', rl.cond_dropout, 'must be in [0, 1)')
+  _check(rl.kl_beta >= 0, 'rl.kl_beta', rl.kl_beta, 'must be >= 0')
+  if not algo.uses_reference:
+    _check(rl.kl_beta == 0, 'rl.kl_beta', rl.kl_beta,
+           f'{config.algorithm} holds no reference model; only flow_grpo uses a reverse KL')
+  o = config.optim
+  _check(o.learning_rate > 0, 'optim.learning_rate', o.learning_rate, 'must be > 0')
+  _check(o.grad_clip > 0, 'optim.grad_clip', o.grad_clip, 'must be > 0')
+  _check(o.warmup_steps >= 0, 'optim.warmup_steps', o.warmup_steps, 'must be >= 0')
+  _check(o.ema_power_s is None or o.ema_power_s > 0, 'optim.ema_power_s', o.ema_power_s,
+         'must be > 0 or None')
+  try:
+    shape = mesh_lib.mesh_shape(config.mesh, num_devices)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  dp = shape[mesh_lib.AXES.index('data')] * shape[mesh_lib.AXES.index('fsdp')]
+  _check(config.batch_size % dp == 0, 'batch_size', config.batch_size,
+         f'not divisible by the data-parallel mesh size data*fsdp = {dp}')
+  return shape

@@ -1,0 +1,66 @@
+"""The device mesh (data, fsdp, context, tensor) and the shardings of train state and batches.
+
+For now the step is data-parallel: parameters and optimizer state are replicated and batches are split
+over (data, fsdp) on their leading B axis. FSDP (parameters over fsdp via logical axis names) and context
+parallelism (sequence over context) will change only this module.
+"""
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES = ('data', 'fsdp', 'context', 'tensor')
+BATCH_AXES = ('data', 'fsdp')
+
+
+def mesh_shape(mesh_config, num_devices):
+  """Resolves the config's axis sizes (one may be -1: the remaining devices) to a tuple.
+
+  Raises ValueError naming `config.mesh.<axis>` when the sizes cannot fill `num_devices` exactly.
+  """
+  sizes = [int(mesh_config[a]) for a in AXES]
+  fill = [a for a, s in zip(AXES, sizes) if s == -1]
+  if len(fill) > 1:
+    raise ValueError(f'config.mesh: at most one axis may be -1, got {fill}')
+  for a, s in zip(AXES, sizes):
+    if s == 0 or s < -1:
+      raise ValueError(f'config.mesh.{a}={s} must be a positive size or -1')
+  known = math.prod(s for s in sizes if s != -1)
+  if fill:
+    if num_devices % known:
+      raise ValueError(f'config.mesh.{fill[0]}=-1: {num_devices} devices are not divisible by the other '
+                       f'axes ({known})')
+    sizes[AXES.index(fill[0])] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(f'config.mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, '
+                     f'have {num_devices}')
+  return tuple(sizes)
+
+
+def make_mesh(mesh_config, devices=None):
+  """A 4-axis Mesh with Auto axis types (sharding by jit in/out shardings and logical rules)."""
+  devices = jax.devices() if devices is None else list(devices)
+  shape = mesh_shape(mesh_config, len(devices))
+  return jax.sharding.Mesh(np.asarray(devices).reshape(shape), AXES,
+                           axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def data_parallel_size(mesh):
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def replicated(mesh):
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh):
+  """Leading axis over (data, fsdp), the rest replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def state_shardings(mesh, state):
+  """Shardings for the train state pytree: replicated (data parallel)."""
+  return jax.tree.map(lambda _: replicated(mesh), state)

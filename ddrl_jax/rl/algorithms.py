@@ -1,0 +1,258 @@
+"""DDRL and the GRPO-family losses as pure functions of an ``apply_fn(params, x_t, t, cond)``.
+
+Every loss takes a rollout `Trajectory` (B groups x N rollouts x T steps), per-rollout advantages (B, N) and
+the trained step indices (B, N, K), and returns (scalar loss, metrics). The K trained steps are visited by a
+`lax.scan` (compile time independent of K), the network is recomputed only at those steps, and the rollout's
+stored means play the old policy: DDRL and DanceGRPO/DDPO need no copy of old or reference parameters.
+
+    L = loss_scale * mean_k [ L_pg,k + kl_beta * KL_k + data_beta * L_data,k ]      (full)
+    L = loss_scale * ( mean_k [ L_pg,k ] + data_beta * L_data at one random trained step )   (reduced)
+"""
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from ddrl_jax.rl import diffusion_loss
+from ddrl_jax.rl import policy
+from ddrl_jax.sampling import samplers
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=['x0', 'cond'],
+                   meta_fields=['beta', 'steps', 'noise', 'cond_dropout', 'weighting'])
+@dataclasses.dataclass(frozen=True)
+class DataTerm:
+  """The off-policy diffusion-loss term of DDRL.
+
+  x0: (B, *S) clean data paired with each group's condition (shared by the group's N rollouts).
+  cond: pytree of (B, ...) conditions of that data.
+  beta: data_beta, its weight.
+  steps: 'full' (at every trained step: 2N|T| calls per condition) or 'reduced' (once per rollout, at one
+    random trained step: N(1 + |T|) calls).
+  noise: 'rollout' (the rollout's initial noise, cosmos-rl's use_rl_sigma_and_noise) or 'fresh'.
+  cond_dropout: probability of the null (zero) condition per sample.
+  weighting: 'cosmos' (t^2 + (1-t)^2), 'path_kl' (the sampler's exact per-step KL weight) or 'none'.
+  """
+  x0: Any
+  cond: Any
+  beta: float = 0.01
+  steps: str = 'full'
+  noise: str = 'rollout'
+  cond_dropout: float = 0.2
+  weighting: str = 'cosmos'
+
+  def __post_init__(self):
+    if self.steps not in ('full', 'reduced'):
+      raise ValueError(f"data loss steps must be 'full' or 'reduced', got {self.steps!r}")
+    if self.noise not in ('rollout', 'fresh'):
+      raise ValueError(f"data loss noise must be 'rollout' or 'fresh', got {self.noise!r}")
+    if self.weighting not in diffusion_loss.WEIGHTINGS:
+      raise ValueError(f'data loss weighting must be one of {diffusion_loss.WEIGHTINGS}, '
+                       f'got {self.weighting!r}')
+
+
+def _repeat_groups(tree, n):
+  """(B, ...) -> (B * N, ...), each group's entry repeated N times."""
+  return jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), tree)
+
+
+def _data_loss_at(apply_fn, params, sampler, inp, traj_noise, data, key):
+  """Mean data loss over (B, N) at the noise levels of the step inputs `inp` ((B, N) scalars)."""
+  b, n = inp.t_in.shape
+  k_noise, k_drop = jax.random.split(key)
+  x0 = _repeat_groups(data.x0, n)
+  if data.noise == 'rollout':
+    noise = traj_noise.reshape(x0.shape)
+  else:
+    noise = jax.random.normal(k_noise, x0.shape, x0.dtype)
+  cond = diffusion_loss.drop_condition(_repeat_groups(data.cond, n), k_drop, data.cond_dropout)
+  if data.weighting == 'cosmos':
+    weight = None
+  elif data.weighting == 'path_kl':
+    weight = sampler.path_kl_weight(inp).reshape(-1)
+  else:
+    weight = jnp.ones((b * n,), jnp.float32)
+  return diffusion_loss.velocity_loss(apply_fn, params, x0, noise, inp.t_in.reshape(-1), cond,
+                                      weight).mean()
+
+
+def _step_inputs(picked):
+  return samplers.StepInputs(**{f: picked[f] for f in samplers.StepInputs._fields})
+
+
+def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
+            log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
+            data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout'):
+  """The shared clipped policy-gradient loss with optional reverse-KL and data terms.
+
+  Args:
+    apply_fn: batched denoiser (params, x_t, t, cond) -> velocity.
+    params: trained parameters.
+    sampler: the `Sampler` that made `traj`.
+    traj: `Trajectory` with (B, N, T, ...) step fields.
+    advantages: (B, N).
+    steps: (B, N, K) int32 trained step indices.
+    cond: pytree of (B, ...) rollout conditions.
+    key: PRNG key (data noise, condition dropout, the reduced variant's step draw).
+    clip_range: PPO epsilon.
+    log_ratio_form: 'cosmos' or 'gaussian' (see `policy.log_ratio`).
+    ref_params: frozen reference parameters, required iff kl_beta > 0.
+    kl_beta: weight of KL(step under theta || step under ref) = mean (mu_theta - mu_ref)^2 / (2 s^2).
+    data: optional `DataTerm` (DDRL).
+    loss_scale: overall factor (cosmos-rl: 10).
+    old_mean: 'rollout' uses the means stored by the rollout (cosmos-rl); the ratio is then 1 only up to
+      the round-off between the two compiled programs (~1 ulp of the mean, which the unnormalized
+      'cosmos' form multiplies by (x' - mu) ~ sigma and can push past a 1e-4 clip at high sigma).
+      'detached' uses stop_gradient(mu_theta): the same gradient, ratio exactly 1. Valid because every
+      update here is the first one after its rollout (one optimizer step per rollout batch).
+  Returns:
+    (loss, metrics dict of scalars).
+  """
+  if old_mean not in ('rollout', 'detached'):
+    raise ValueError(f"old_mean must be 'rollout' or 'detached', got {old_mean!r}")
+  if kl_beta > 0 and ref_params is None:
+    raise ValueError('kl_beta > 0 needs ref_params')
+  num_k = steps.shape[-1]
+  picked = samplers.gather_steps(traj, steps)
+
+  # The rollout's own step function, so the recompute repeats the rollout's arithmetic.
+  batched_mean = lambda p, inp: sampler.batched_step(apply_fn, p, inp, cond)[0]
+
+  k_steps, k_reduced = jax.random.split(key)
+  use_full_data = data is not None and data.steps == 'full'
+
+  def body(_, xs):
+    pick, step_key = xs
+    inp = _step_inputs(pick)
+    mean_theta = batched_mean(params, inp)
+    mean_old = pick['mean'] if old_mean == 'rollout' else jax.lax.stop_gradient(mean_theta)
+    lr = policy.log_ratio(pick['x_next'], mean_theta, mean_old, pick['std'], log_ratio_form)
+    pg, ratio, clipped = policy.clipped_policy_loss(advantages, lr, clip_range)
+    out = dict(pg_loss=pg.mean(), ratio_mean=ratio.mean(),
+               ratio_max_dev=jnp.abs(ratio - 1.0).max(), clipfrac=clipped.mean(),
+               approx_kl=0.5 * (lr**2).mean())
+    if kl_beta > 0:
+      mean_ref = jax.lax.stop_gradient(batched_mean(ref_params, inp))
+      sq = ((mean_theta - mean_ref)**2).reshape(mean_ref.shape[:2] + (-1,)).mean(-1)
+      out['kl'] = (sq / (2.0 * pick['std']**2)).mean()
+    if use_full_data:
+      out['data_loss'] = _data_loss_at(apply_fn, params, sampler, inp, traj.noise, data, step_key)
+    return None, out
+
+  _, per_step = jax.lax.scan(body, None, (picked, jax.random.split(k_steps, num_k)))
+  metrics = {k: v.mean() for k, v in per_step.items()}
+  metrics['ratio_max_dev'] = per_step['ratio_max_dev'].max()
+  total = metrics['pg_loss']
+  if kl_beta > 0:
+    total = total + kl_beta * metrics['kl']
+  if data is not None:
+    if not use_full_data:
+      k_pick, k_data = jax.random.split(k_reduced)
+      which = jax.random.randint(k_pick, advantages.shape, 0, num_k)
+      one = {f: jnp.take_along_axis(picked[f], which.reshape((1,) + which.shape + (1,) * (picked[f].ndim - 3)),
+                                    axis=0)[0] for f in samplers.StepInputs._fields}
+      metrics['data_loss'] = _data_loss_at(apply_fn, params, sampler, _step_inputs(one), traj.noise,
+                                           data, k_data)
+    total = total + data.beta * metrics['data_loss']
+  total = loss_scale * total
+  metrics['loss'] = total
+  return total, metrics
+
+
+def ddrl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, data, key, *,
+              clip_range=1e-4, log_ratio_form='cosmos', loss_scale=1.0, old_mean='rollout'):
+  """DDRL (arXiv 2512.04332, Algorithm 1 as in cosmos-rl): clipped policy gradient + data_beta * diffusion
+  loss on data paired with the conditions. No reference or old parameters. `data` is a `DataTerm`."""
+  return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, clip_range=clip_range,
+                 log_ratio_form=log_ratio_form, data=data, loss_scale=loss_scale, old_mean=old_mean)
+
+
+def flow_grpo_loss(apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, key, *,
+                   kl_beta=0.04, clip_range=1e-4, log_ratio_form='gaussian', loss_scale=1.0, old_mean='rollout'):
+  """FlowGRPO: clipped policy gradient + kl_beta * per-step reverse KL to frozen reference parameters.
+
+  The KL is the exact one of the two equal-variance Gaussian steps, mean (mu_theta - mu_ref)^2 / (2 std^2)
+  with the transition std (FlowGRPO's code divides by s^2 without the |dt| factor; issues #22/#78)."""
+  return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, clip_range=clip_range,
+                 log_ratio_form=log_ratio_form, ref_params=ref_params, kl_beta=kl_beta,
+                 loss_scale=loss_scale, old_mean=old_mean)
+
+
+def dance_grpo_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *,
+                    clip_range=1e-4, log_ratio_form='gaussian', loss_scale=1.0, old_mean='rollout'):
+  """DanceGRPO: clipped policy gradient on a random subset of steps per sample; no KL, no data."""
+  return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, clip_range=clip_range,
+                 log_ratio_form=log_ratio_form, loss_scale=loss_scale, old_mean=old_mean)
+
+
+def ddpo_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *,
+              clip_range=1e-4, log_ratio_form='gaussian', loss_scale=1.0, old_mean='rollout'):
+  """DDPO (DDIM eta=1 rollouts): clipped policy gradient over shuffled steps; no KL, no data."""
+  return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, clip_range=clip_range,
+                 log_ratio_form=log_ratio_form, loss_scale=loss_scale, old_mean=old_mean)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registry: chosen by config.algorithm.
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """How an algorithm is wired: its default sampler, whether it holds a reference or uses data, and how
+  it picks trained steps ('fixed': the same list for every rollout; 'random': a random subset per rollout)."""
+  name: str
+  default_sampler: str
+  uses_reference: bool
+  uses_data: bool
+  step_selection: str
+  default_log_ratio: str
+
+  def default_train_steps(self, num_steps):
+    """Trained steps (fixed) or the candidate pool (random) when the config gives none."""
+    if self.name == 'ddrl':
+      return tuple(range(0, num_steps - 1, 2))       # cosmos-rl: 0, 2, ..., 18 of 20
+    if self.name == 'flow_grpo':
+      return tuple(range(max(1, int(0.99 * num_steps))))  # all but the last
+    return tuple(range(max(1, num_steps - 1)))       # DanceGRPO / DDPO: all but the last
+
+  def select_steps(self, key, batch, num_rollouts, train_steps, fraction):
+    """(B, N, K) int32 trained step indices."""
+    pool = jnp.asarray(train_steps, jnp.int32)
+    if self.step_selection == 'fixed':
+      return jnp.broadcast_to(pool, (batch, num_rollouts, pool.shape[0]))
+    k = max(1, int(len(train_steps) * fraction))
+    keys = jax.random.split(key, batch * num_rollouts)
+    perm = jax.vmap(lambda kk: jax.random.permutation(kk, pool))(keys)
+    return perm[:, :k].reshape(batch, num_rollouts, k)
+
+  def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, rl):
+    """Calls the algorithm's loss with the options of an `rl` ConfigDict (see configs/)."""
+    common = dict(clip_range=rl.clip_range, log_ratio_form=rl.log_ratio or self.default_log_ratio,
+                  loss_scale=rl.loss_scale, old_mean=rl.old_mean)
+    if self.name == 'ddrl':
+      return ddrl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, data, key, **common)
+    if self.name == 'flow_grpo':
+      return flow_grpo_loss(apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, key,
+                            kl_beta=rl.kl_beta, **common)
+    fn = dance_grpo_loss if self.name == 'dance_grpo' else ddpo_loss
+    return fn(apply_fn, params, sampler, traj, advantages, steps, cond, key, **common)
+
+
+ALGORITHMS = {
+    'ddrl': Algorithm('ddrl', 'cosmos_2ab', uses_reference=False, uses_data=True,
+                      step_selection='fixed', default_log_ratio='cosmos'),
+    'flow_grpo': Algorithm('flow_grpo', 'flow_sde', uses_reference=True, uses_data=False,
+                           step_selection='fixed', default_log_ratio='gaussian'),
+    'dance_grpo': Algorithm('dance_grpo', 'dance_sde', uses_reference=False, uses_data=False,
+                            step_selection='random', default_log_ratio='gaussian'),
+    'ddpo': Algorithm('ddpo', 'ddim', uses_reference=False, uses_data=False,
+                      step_selection='random', default_log_ratio='gaussian'),
+}
+
+
+def get_algorithm(name):
+  if name not in ALGORITHMS:
+    raise ValueError(f'config.algorithm={name!r} is unknown; known: {sorted(ALGORITHMS)}')
+  return ALGORITHMS[name]

@@ -1,0 +1,42 @@
+"""The diffusion (data) loss in the velocity parameterization: DDRL's forward-KL regularizer."""
+import jax
+import jax.numpy as jnp
+
+WEIGHTINGS = ('cosmos', 'path_kl', 'none')
+
+
+def cosmos_loss_weight(t):
+  """cosmos-rl's data-loss weight in velocity form: EDM (sigma^2 + 1)/sigma^2 on x0-MSE = t^2 + (1-t)^2."""
+  return t**2 + (1.0 - t)**2
+
+
+def drop_condition(cond, key, rate):
+  """Replaces each sample's condition by zeros (the null condition) with probability `rate`.
+
+  cond: pytree of (batch, ...) arrays. Returns the same structure.
+  """
+  leaves = jax.tree.leaves(cond)
+  if rate <= 0 or not leaves:
+    return cond
+  keep = jax.random.bernoulli(key, 1.0 - rate, (leaves[0].shape[0],))
+  return jax.tree.map(lambda c: jnp.where(keep.reshape((-1,) + (1,) * (c.ndim - 1)), c, 0).astype(c.dtype),
+                      cond)
+
+
+def velocity_loss(apply_fn, params, x0, noise, t, cond, weight=None):
+  """Per-sample weighted velocity MSE at x_t = (1 - t) x0 + t noise, target v = noise - x0.
+
+  Args:
+    apply_fn: batched denoiser (params, x_t, t, cond) -> velocity.
+    x0, noise: (batch, *S) clean data and standard-normal noise.
+    t: (batch,) rectified-flow times in (0, 1).
+    cond: pytree of (batch, ...) conditions.
+    weight: (batch,) per-sample weight; None = cosmos' t^2 + (1 - t)^2.
+  Returns:
+    (batch,) weight * mean over elements of (v_theta - v)^2.
+  """
+  tb = t.reshape((-1,) + (1,) * (x0.ndim - 1))
+  x_t = (1.0 - tb) * x0 + tb * noise
+  v = apply_fn(params, x_t, t, cond)
+  mse = ((v - (noise - x0))**2).reshape(x0.shape[0], -1).mean(axis=-1)
+  return (cosmos_loss_weight(t) if weight is None else weight) * mse

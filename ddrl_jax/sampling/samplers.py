@@ -1,0 +1,270 @@
+"""Rollout samplers: T steps under `jax.lax.scan`, vmapped over the N rollouts of each of B groups.
+
+A denoiser is any ``apply_fn(params, x_t, t, cond) -> velocity`` with a leading batch axis on x_t, t and
+cond (a pytree). The samplers call it on one sample at a time (batch 1) inside `jax.vmap`, so XLA sees a
+(B, N)-batched network call per step, and the training-time recompute of a step mean runs the very same
+computation (which is what makes the first importance ratio exactly 1).
+"""
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddrl_jax.sampling import schedules
+from ddrl_jax.sampling import transitions
+
+KINDS = ('cosmos_2ab', 'flow_sde', 'dance_sde', 'ddim')
+
+
+class Trajectory(NamedTuple):
+  """Rollouts with their per-step transitions. Shapes for a (B, N) batch; S = sample shape.
+
+  x_in:       (B, N, T, *S) state the denoiser saw at step i (the churned state for cosmos_2ab)
+  x0_prev:    (B, N, T, *S) cosmos_2ab: the rollout's stale x0 of step i-1 (zeros elsewhere)
+  mean:       (B, N, T, *S) transition mean under the rollout parameters (mu_old)
+  x_next:     (B, N, T, *S) sampled next state: the policy-gradient target of step i
+  step:       (B, N, T) int32 step index i
+  t_in:       (B, N, T) rectified-flow time of x_in (what the denoiser was given)
+  sigma_in:   (B, N, T) sampler-native level of x_in (churned VE sigma, or flow sigma)
+  sigma_next: (B, N, T) next schedule level
+  sigma_prev: (B, N, T) cosmos_2ab: previous churned sigma (a positive dummy at step 0)
+  std:        (B, N, T) transition std (0 for deterministic samplers)
+  x0:         (B, N, *S) final clean sample
+  noise:      (B, N, *S) the rollout's initial standard-normal noise
+  nfe:        (B, N) int32 denoiser calls made by each rollout
+  """
+  x_in: jax.Array
+  x0_prev: jax.Array
+  mean: jax.Array
+  x_next: jax.Array
+  step: jax.Array
+  t_in: jax.Array
+  sigma_in: jax.Array
+  sigma_next: jax.Array
+  sigma_prev: jax.Array
+  std: jax.Array
+  x0: jax.Array
+  noise: jax.Array
+  nfe: jax.Array
+
+
+# Fields of `Trajectory` that carry a step axis; `gather_steps` selects trained steps from them.
+STEP_FIELDS = ('x_in', 'x0_prev', 'mean', 'x_next', 'step', 't_in', 'sigma_in', 'sigma_next',
+               'sigma_prev', 'std')
+
+
+class StepInputs(NamedTuple):
+  """What a step's mean depends on besides the network. Per-sample shapes: (*S) or scalars."""
+  x_in: jax.Array
+  x0_prev: jax.Array
+  step: jax.Array
+  t_in: jax.Array
+  sigma_in: jax.Array
+  sigma_next: jax.Array
+  sigma_prev: jax.Array
+
+
+def _call_single(apply_fn, params, x, t, cond):
+  """Calls a batched apply_fn on one sample (adds and removes a batch axis of 1)."""
+  batched = jax.tree.map(lambda a: a[None], cond)
+  return apply_fn(params, x[None], jnp.reshape(t, (1,)), batched)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+  """A stochastic sampler: its kind, schedule and noise. Hashable, so it can be a static jit argument.
+
+  kind: 'cosmos_2ab' (VE Karras sigmas, EDM churn eta, 2AB), 'flow_sde' (FlowGRPO, noise = a),
+    'dance_sde' (DanceGRPO, noise = eta), 'ddim' (DDPO, noise = eta).
+  sigmas: (T + 1,) schedule levels, decreasing.
+  noise: the kind's stochasticity (churn eta, a, eta); 0 makes the sampler deterministic (an ODE solver).
+  s_noise: cosmos' extra scale on churn noise.
+  """
+  kind: str
+  sigmas: tuple
+  noise: float
+  s_noise: float = 1.0
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f'unknown sampler kind {self.kind!r}; known: {KINDS}')
+
+  @property
+  def num_steps(self):
+    return len(self.sigmas) - 1
+
+  @property
+  def is_cosmos(self):
+    return self.kind == 'cosmos_2ab'
+
+  def deterministic(self):
+    """The same schedule without noise: the ODE sampler used for evaluation."""
+    return dataclasses.replace(self, noise=0.0)
+
+  def schedule(self):
+    """Per-step schedule arrays (each (T,) float32, `step` int32) as a `StepInputs` without states."""
+    sig = np.asarray(self.sigmas, np.float64)
+    steps = np.arange(self.num_steps)
+    if self.is_cosmos:
+      sigma_in = (1.0 + self.noise) * sig[:-1]
+      t_in = schedules.rf_time(sigma_in)
+      sigma_prev = np.concatenate([2.0 * sigma_in[:1], sigma_in[:-1]])  # step 0: positive dummy
+    else:
+      sigma_in = sig[:-1]
+      t_in = sigma_in
+      sigma_prev = np.zeros_like(sigma_in)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    return StepInputs(x_in=None, x0_prev=None, step=jnp.asarray(steps, jnp.int32), t_in=f32(t_in),
+                      sigma_in=f32(sigma_in), sigma_next=f32(sig[1:]), sigma_prev=f32(sigma_prev))
+
+  def kernel(self, inp, velocity):
+    """Transition (mean, std) given the network's velocity at `inp` (per-sample shapes)."""
+    if self.is_cosmos:
+      x0 = transitions.cosmos_x0(inp.x_in, velocity, inp.t_in)
+      mean = transitions.cosmos_2ab_mean_traced(inp.x_in, x0, inp.sigma_in, inp.sigma_next,
+                                                inp.x0_prev, inp.sigma_prev, inp.step == 0)
+      # The next step's churn is this transition's noise: sqrt(sigma_hat'^2 - sigma'^2) * s_noise.
+      std = inp.sigma_next * np.sqrt(self.noise**2 + 2.0 * self.noise) * self.s_noise
+      return mean, std, x0
+    step_fn = {'flow_sde': transitions.flow_sde_step, 'dance_sde': transitions.dance_sde_step,
+               'ddim': transitions.ddim_step}[self.kind]
+    mean, std = step_fn(inp.x_in, velocity, inp.sigma_in, inp.sigma_next, self.noise)
+    return mean, std, inp.x_in - inp.sigma_in * velocity
+
+  def network_input(self, x_in, t_in):
+    """The denoiser input for a state: cosmos feeds (1 - t) x_sigma; flow states are fed as they are."""
+    return (1.0 - t_in) * x_in if self.is_cosmos else x_in
+
+  def step_mean(self, apply_fn, params, inp, cond):
+    """(mean, std, x0_hat) of one step for one sample, recomputed with `params`."""
+    velocity = _call_single(apply_fn, params, self.network_input(inp.x_in, inp.t_in), inp.t_in, cond)
+    return self.kernel(inp, velocity)
+
+  def mean_velocity_gain(self, inp):
+    """d mean / d velocity of a step (a scalar per step: every kernel is affine in v)."""
+    zero = jnp.zeros_like(inp.t_in)
+    inp = inp._replace(x_in=zero, x0_prev=zero)
+    return self.kernel(inp, zero + 1.0)[0] - self.kernel(inp, zero)[0]
+
+  def path_kl_weight(self, inp):
+    """Weight w_i with KL(step under v*) || step under v_theta) = w_i * mean_elems (v_theta - v*)^2 * D.
+
+    w_i = (d mean / d v)^2 / (2 std^2): the per-step term of the path KL of this sampler (Girsanov in
+    the continuous limit). Used by the Theorem 3.1 check; needs std > 0.
+    """
+    _, std, _ = self.kernel(inp._replace(x_in=jnp.zeros_like(inp.t_in),
+                                         x0_prev=jnp.zeros_like(inp.t_in)), jnp.zeros_like(inp.t_in))
+    return self.mean_velocity_gain(inp)**2 / (2.0 * std**2)
+
+  def batched_step(self, apply_fn, params, inp, cond):
+    """(mean, std, x0_hat) of one step for every rollout: `inp` fields are (B, N, ...), cond (B, ...).
+
+    The rollout and the training-time recompute both call this, so both run the same arithmetic (vmap
+    over N inside vmap over B; the network sees one sample at a time).
+    """
+    one = lambda i, c: self.step_mean(apply_fn, params, i, c)
+    return jax.vmap(jax.vmap(one, in_axes=(0, None)), in_axes=(0, 0))(inp, cond)
+
+  def _batched(self, apply_fn, params, cond, key, num_rollouts, sample_shape, keep_trajectory):
+    """Rollouts for a (B, N) batch: scan over the T steps of a step vmapped over (B, N)."""
+    sample_shape = tuple(sample_shape)
+    batch = jax.tree.leaves(cond)[0].shape[0]
+    bn = (batch, num_rollouts)
+    keys = jax.random.split(key, bn)
+    draw = lambda k: jax.random.normal(k, (self.num_steps + 2,) + sample_shape)
+    z = jnp.moveaxis(jax.vmap(jax.vmap(draw))(keys), 2, 0)   # (T + 2, B, N, *S)
+    noise = z[0]
+    if self.is_cosmos:
+      sigma0 = float(self.sigmas[0])
+      churn0 = sigma0 * np.sqrt((1.0 + self.noise)**2 - 1.0) * self.s_noise
+      x = sigma0 * noise + churn0 * z[1]
+    else:
+      x = noise
+    sched = self.schedule()
+    per_sample = lambda a: jnp.broadcast_to(a.reshape(a.shape + (1, 1)), a.shape + bn)
+    scan_sched = jax.tree.map(per_sample, sched._replace(x_in=None, x0_prev=None))
+
+    def body(carry, xs):
+      x_in, x0_prev = carry
+      sched_i, z_i = xs
+      inp = sched_i._replace(x_in=x_in, x0_prev=x0_prev)
+      mean, std, x0_hat = self.batched_step(apply_fn, params, inp, cond)
+      std_b = std.reshape(std.shape + (1,) * len(sample_shape))
+      x_next = mean + std_b * z_i
+      record = (x_in, x0_prev, mean, x_next, std) if keep_trajectory else (mean,)
+      return (x_next, x0_hat if self.is_cosmos else x0_prev), record
+
+    (x_last, _), rec = jax.lax.scan(body, (x, jnp.zeros_like(x)), (scan_sched, z[2:]))
+    nfe = self.num_steps
+    mean_last = (rec[2] if keep_trajectory else rec[0])[-1]
+    if self.is_cosmos:
+      # cosmos ends with one clean call on the last (unchurned) mean at sigma_min.
+      t_min = jnp.float32(schedules.rf_time(float(self.sigmas[-1])))
+      last = lambda m, c: transitions.cosmos_x0(
+          m, _call_single(apply_fn, params, (1.0 - t_min) * m, t_min, c), t_min)
+      x0 = jax.vmap(jax.vmap(last, in_axes=(0, None)), in_axes=(0, 0))(mean_last, cond)
+      nfe += 1
+    else:
+      x0 = x_last
+    out = dict(x0=x0, noise=noise, nfe=jnp.full(bn, nfe, jnp.int32))
+    if keep_trajectory:
+      to_bn = lambda a: jnp.moveaxis(a, 0, 2)    # (T, B, N, ...) -> (B, N, T, ...)
+      x_in, x0_prev, mean, x_next, std = map(to_bn, rec)
+      out.update(x_in=x_in, x0_prev=x0_prev, mean=mean, x_next=x_next, std=std,
+                 **{f: to_bn(getattr(scan_sched, f)) for f in
+                    ('step', 't_in', 'sigma_in', 'sigma_next', 'sigma_prev')})
+    return out
+
+  def rollout(self, apply_fn, params, cond, key, *, num_rollouts, sample_shape):
+    """N rollouts for each of B conditions.
+
+    Args:
+      apply_fn: batched denoiser, see module docstring.
+      params: its parameters (pytree).
+      cond: pytree of (B, ...) conditions.
+      key: PRNG key; rollout (b, n) draws its noise from its own split of it.
+      num_rollouts: N.
+      sample_shape: S, the shape of one sample (static).
+    Returns:
+      `Trajectory` with (B, N, ...) leading axes.
+    """
+    return Trajectory(**self._batched(apply_fn, params, cond, key, num_rollouts, sample_shape, True))
+
+  def sample(self, apply_fn, params, cond, key, *, num_rollouts, sample_shape):
+    """Final samples only: (B, N, *S). `self.deterministic().sample` is the ODE eval sampler."""
+    return self._batched(apply_fn, params, cond, key, num_rollouts, sample_shape, False)['x0']
+
+
+def make_sampler(kind, num_steps, *, sigma_min=0.01, sigma_max=200.0, rho=7.0, s_churn=1.0,
+                 s_noise=1.0, shift=1.0, noise_level=0.7, eta=1.0):
+  """Builds a `Sampler` from config-style arguments (each kind reads only its own)."""
+  if kind == 'cosmos_2ab':
+    sigmas = schedules.karras_sigmas(num_steps, sigma_min, sigma_max, rho)
+    noise = schedules.churn_eta(s_churn, num_steps)
+  elif kind in ('flow_sde', 'dance_sde', 'ddim'):
+    sigmas = schedules.shifted_flow_sigmas(num_steps, shift)
+    noise = noise_level if kind == 'flow_sde' else eta
+  else:
+    raise ValueError(f'unknown sampler kind {kind!r}; known: {KINDS}')
+  return Sampler(kind=kind, sigmas=tuple(float(s) for s in sigmas), noise=float(noise),
+                 s_noise=float(s_noise))
+
+
+def gather_steps(traj, steps):
+  """Selects per-sample trained steps.
+
+  Args:
+    traj: `Trajectory` with (B, N, T, ...) step fields.
+    steps: (B, N, K) int step indices.
+  Returns:
+    `StepInputs` plus `mean`, `x_next`, `std` as a dict of (K, B, N, ...) arrays (K leading for a scan).
+  """
+  out = {}
+  for name in STEP_FIELDS:
+    arr = getattr(traj, name)
+    idx = steps.reshape(steps.shape + (1,) * (arr.ndim - 3))
+    picked = jnp.take_along_axis(arr, idx, axis=2)
+    out[name] = jnp.moveaxis(picked, 2, 0)
+  return out

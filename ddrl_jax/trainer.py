@@ -1,0 +1,270 @@
+"""Train state, the jitted DDRL/GRPO update, and the rollout -> reward -> update loop.
+
+One iteration: B conditions -> N rollouts each (jitted, scan over T, vmap over N) -> rewards on the host ->
+one jitted update that adds the policy-gradient and diffusion-loss gradients -> AdamW -> power EMA.
+"""
+import dataclasses
+import os
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import tqdm
+
+from ddrl_jax import config as config_lib
+from ddrl_jax import metrics as metrics_lib
+from ddrl_jax import optim
+from ddrl_jax import parallel
+from ddrl_jax import rl as rl_lib
+from ddrl_jax import sampling
+from ddrl_jax import tasks
+
+
+class TrainState(NamedTuple):
+  step: Any            # () int32: optimizer steps taken
+  params: Any          # fp32 master parameters
+  opt_state: Any
+  ema_params: Any      # power EMA of params (None if disabled)
+  ref_params: Any      # frozen reference (flow_grpo with kl_beta > 0 only; None otherwise)
+
+
+class RolloutBatch(NamedTuple):
+  traj: sampling.Trajectory   # (B, N, ...)
+  rewards: Any                # (B, N) float32, NaN = failed sample
+  cond: Any                   # pytree of (B, ...)
+
+
+class DataBatch(NamedTuple):
+  x0: Any                     # (B, *S) clean data paired with the conditions
+  cond: Any                   # pytree of (B, ...)
+
+
+def compute_advantages(rewards, rl):
+  """(B, N) rewards -> (B, N) advantages by the config's transform."""
+  b, n = rewards.shape
+  flat = rewards.reshape(-1)
+  if rl.adv_transform == 'exact':
+    adv = rl_lib.exact_tilt_advantages(flat, n, rl.exact_beta, rl.exact_log_partition)
+  else:
+    adv = rl_lib.group_advantages(flat, n, clip=rl.adv_clip, eps=rl.adv_eps,
+                                  transform=rl.adv_transform or None)
+  return adv.reshape(b, n)
+
+
+def make_sampler(config):
+  s = config.sampler
+  return sampling.make_sampler(config_lib.sampler_kind(config), s.num_steps, sigma_min=s.sigma_min,
+                               sigma_max=s.sigma_max, rho=s.rho, s_churn=s.s_churn,
+                               s_noise=s.s_noise, shift=s.shift, noise_level=s.noise_level,
+                               eta=s.eta)
+
+
+def init_train_state(params, config, optimizer):
+  algo = rl_lib.get_algorithm(config.algorithm)
+  copy = lambda p: jax.tree.map(jnp.array, p)
+  return TrainState(
+      step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
+      ema_params=copy(params) if config.optim.ema_power_s else None,
+      ref_params=copy(params) if algo.uses_reference and config.rl.kl_beta > 0 else None)
+
+
+def make_train_step(apply_fn, sampler, config, optimizer):
+  """The pure update (state, rollout, data, key) -> (state, metrics); jit it with `jit_train_step`."""
+  algo = rl_lib.get_algorithm(config.algorithm)
+  rl = config.rl
+  pool = config_lib.train_steps(config)
+  gamma = optim.power_ema_gamma(config.optim.ema_power_s) if config.optim.ema_power_s else None
+  lr_schedule = optim.learning_rate_schedule(config.optim)
+  use_data = algo.uses_data and rl.data_beta > 0
+
+  def train_step(state, rollout, data, key):
+    k_steps, k_loss = jax.random.split(key)
+    b, n = rollout.rewards.shape
+    advantages = compute_advantages(rollout.rewards, rl)
+    steps = algo.select_steps(k_steps, b, n, pool, rl.train_fraction)
+    data_term = None
+    if use_data:
+      data_term = rl_lib.DataTerm(x0=data.x0, cond=data.cond, beta=rl.data_beta,
+                                  steps=rl.data_loss_steps, noise=rl.data_noise,
+                                  cond_dropout=rl.cond_dropout, weighting=rl.data_weighting)
+
+    def loss_fn(params):
+      return algo.loss(apply_fn, params, state.ref_params, sampler, rollout.traj, advantages, steps,
+                       rollout.cond, data_term, k_loss, rl)
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grads, nonfinite = optim.zero_nonfinite(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    ema = state.ema_params
+    if ema is not None:
+      beta = optim.power_ema_beta(state.step, gamma)
+      ema = optim.ema_update(ema, params, beta)
+      metrics['ema_beta'] = beta
+    failed = jnp.isnan(rollout.rewards)
+    valid_rewards = jnp.where(failed, 0.0, rollout.rewards)
+    metrics.update(
+        reward_mean=valid_rewards.sum() / jnp.maximum((~failed).sum(), 1),
+        failed_rewards=failed.sum(), adv_mean=advantages.mean(), adv_abs_mean=jnp.abs(advantages).mean(),
+        grad_norm=optax.tree.norm(grads), nonfinite_grads=nonfinite,
+        learning_rate=lr_schedule(state.step), nfe_rollout=rollout.traj.nfe.mean())
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema,
+                           ref_params=state.ref_params)
+    return new_state, metrics
+
+  return train_step
+
+
+def jit_train_step(train_step, mesh):
+  """jit with the mesh's shardings: state replicated, batches split on B over (data, fsdp)."""
+  rep, batch = parallel.replicated(mesh), parallel.batch_sharding(mesh)
+  return jax.jit(train_step, in_shardings=(rep, batch, batch, rep), out_shardings=(rep, rep),
+                 donate_argnums=(0,))
+
+
+def _state_to_tree(state, rng):
+  tree = {k: v for k, v in state._asdict().items() if v is not None}
+  tree['rng'] = jax.random.key_data(rng)
+  return tree
+
+
+class Trainer:
+  """Owns the mesh, task, jitted functions, checkpoints and metrics of one workdir."""
+
+  def __init__(self, config, workdir, devices=None):
+    devices = jax.devices() if devices is None else list(devices)
+    config_lib.validate(config, len(devices))
+    self.config = config
+    self.workdir = os.path.abspath(workdir)
+    self.mesh = parallel.make_mesh(config.mesh, devices)
+    self.task = tasks.get_task(config)
+    self.sampler = make_sampler(config)
+    self.optimizer = optim.make_optimizer(config.optim)
+    self.rng = jax.random.key(config.seed)
+    self.ckpt = ocp.CheckpointManager(
+        os.path.join(self.workdir, 'checkpoints'),
+        options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints, create=True))
+    self.apply_fn = None
+    self.state = None
+
+  # ------------------------------------------------------------------------------------- state
+  def restore_or_init(self):
+    """Restores the latest checkpoint of the workdir, or builds the initial state. Returns its step."""
+    model_key = jax.random.fold_in(self.rng, 0x6D6F64)
+    latest = self.ckpt.latest_step()
+    if latest is None:
+      self.apply_fn, params = self.task.init_model(model_key)
+      self.state = init_train_state(params, self.config, self.optimizer)
+    else:
+      self.apply_fn, abstract_params = self.task.abstract_params(model_key)
+      abstract_state = jax.eval_shape(
+          lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
+      target = _state_to_tree(abstract_state, self.rng)
+      target = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+      restored = self.ckpt.restore(latest, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target)))['state']
+      self.rng = jax.random.wrap_key_data(restored.pop('rng'))
+      self.state = TrainState(**{f: restored.get(f) for f in TrainState._fields})
+    # Copy: the jitted step donates its state, which must not free arrays the task still holds.
+    self.state = jax.device_put(jax.tree.map(jnp.copy, self.state), parallel.replicated(self.mesh))
+    return int(self.state.step)
+
+  def save(self):
+    step = int(self.state.step)
+    self.ckpt.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(_state_to_tree(self.state, self.rng)),
+        config=ocp.args.JsonSave(self.config.to_dict())), force=True)
+
+  # --------------------------------------------------------------------------------------- loop
+  def _build(self):
+    c = self.config
+    batch = parallel.batch_sharding(self.mesh)
+    rep = parallel.replicated(self.mesh)
+    sampler, apply_fn, shape = self.sampler, self.apply_fn, self.task.sample_shape
+    self._rollout = jax.jit(
+        lambda p, cond, k: sampler.rollout(apply_fn, p, cond, k, num_rollouts=c.num_rollouts,
+                                           sample_shape=shape),
+        in_shardings=(rep, batch, rep), out_shardings=batch)
+    self._sample = jax.jit(
+        lambda p, cond, k: sampler.sample(apply_fn, p, cond, k, num_rollouts=c.num_rollouts,
+                                          sample_shape=shape),
+        in_shardings=(rep, batch, rep), out_shardings=batch)
+    self._train_step = jit_train_step(
+        make_train_step(apply_fn, sampler, c, self.optimizer), self.mesh)
+
+  def iteration_keys(self, it):
+    """Keys of iteration `it`: derived from the root key and the step only (resume-exact)."""
+    return jax.random.split(jax.random.fold_in(self.rng, it), 4)
+
+  def collect(self, it):
+    """Rollouts, rewards and paired data of iteration `it` (the inputs of one train step)."""
+    k_cond, k_roll, k_data, _ = self.iteration_keys(it)
+    batch = parallel.batch_sharding(self.mesh)
+    cond = jax.device_put(self.task.conditions(k_cond, self.config.batch_size), batch)
+    t0 = time.perf_counter()
+    traj = jax.block_until_ready(self._rollout(self.state.params, cond, k_roll))
+    t1 = time.perf_counter()
+    rewards = np.asarray(self.task.reward(np.asarray(traj.x0), cond), np.float32)
+    if rewards.shape != traj.x0.shape[:2]:
+      raise ValueError(f'task reward returned shape {rewards.shape}, expected {traj.x0.shape[:2]}')
+    t2 = time.perf_counter()
+    data = DataBatch(x0=self.task.data(k_data, cond), cond=cond)
+    rollout = RolloutBatch(traj=traj, rewards=jax.device_put(rewards, batch), cond=cond)
+    return rollout, jax.device_put(data, batch), dict(time_rollout=t1 - t0, time_reward=t2 - t1)
+
+  def evaluate(self, it):
+    c = self.config
+    groups = max(1, c.eval_samples // c.num_rollouts)
+    groups -= groups % parallel.data_parallel_size(self.mesh)
+    key = jax.random.fold_in(jax.random.fold_in(self.rng, 0xE7A1), it)
+    cond = jax.device_put(self.task.conditions(key, groups), parallel.batch_sharding(self.mesh))
+    out = {}
+    for name, params in (('eval', self.state.params), ('eval_ema', self.state.ema_params)):
+      if params is None:
+        continue
+      samples = np.asarray(self._sample(params, cond, key)).reshape((-1,) + self.task.sample_shape)
+      out.update({f'{name}/{k}': v for k, v in self.task.evaluate(samples, key).items()})
+    return out
+
+  def train(self, progress=True):
+    """Runs (or resumes) to config.num_iterations; returns the last logged metrics."""
+    c = self.config
+    start = self.restore_or_init()
+    self._build()
+    writer = metrics_lib.MetricWriter(self.workdir)
+    last = {}
+    if start == 0 and c.eval_every >= 0:
+      writer.write(0, self.evaluate(0))
+    window = []
+    bar = tqdm.tqdm(total=c.num_iterations, initial=start, disable=not progress, desc=c.algorithm,
+                    dynamic_ncols=True)
+    try:
+      for it in range(start, c.num_iterations):
+        rollout, data, timing = self.collect(it)
+        t0 = time.perf_counter()
+        self.state, metrics = self._train_step(self.state, rollout, data, self.iteration_keys(it)[3])
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        timing['time_update'] = time.perf_counter() - t0
+        metrics.update(timing)
+        step = it + 1
+        writer.write(step, metrics)
+        window.append(metrics)
+        last = metrics
+        bar.update(1)
+        if step % c.log_every == 0 or step == c.num_iterations:
+          avg = metrics_lib.average_metrics(window)
+          window = []
+          bar.set_postfix(reward=f"{avg['reward_mean']:.3f}", loss=f"{avg['loss']:.4g}")
+        if c.eval_every > 0 and step % c.eval_every == 0 or step == c.num_iterations:
+          writer.write(step, self.evaluate(step))
+        if step % c.checkpoint_every == 0 or step == c.num_iterations:
+          self.save()
+    finally:
+      bar.close()
+      self.ckpt.wait_until_finished()
+      writer.close()
+    return last

@@ -1,0 +1,60 @@
+"""Shared test fixtures: a tiny velocity MLP with a jax apply_fn and an independent numpy forward."""
+import types
+
+import jax
+
+# Eight fake CPU devices for the sharding tests; must run before any JAX backend starts.
+jax.config.update('jax_num_cpu_devices', 8)
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def make_tiny_mlp(sample_shape=(2,), cond_dim=1, hidden=8, seed=0, out_scale=0.5):
+  """A tiny tanh MLP velocity model.
+
+  apply_fn(params, x, t, cond): x (batch, *S), t (batch,), cond (batch, cond_dim) -> (batch, *S).
+  np_apply(params, x, t, cond): the same forward in float64 numpy (an independent re-implementation).
+  """
+  d = int(np.prod(sample_shape))
+  rng = np.random.RandomState(seed)
+  params = {
+      'w1': jnp.asarray(rng.randn(d, hidden) / np.sqrt(d), jnp.float32),
+      'wt': jnp.asarray(rng.randn(hidden), jnp.float32),
+      'wc': jnp.asarray(rng.randn(cond_dim, hidden), jnp.float32),
+      'b1': jnp.asarray(0.1 * rng.randn(hidden), jnp.float32),
+      'w2': jnp.asarray(out_scale * rng.randn(hidden, d) / np.sqrt(hidden), jnp.float32),
+      'b2': jnp.asarray(0.1 * rng.randn(d), jnp.float32),
+  }
+
+  def apply_fn(p, x, t, cond):
+    b = x.shape[0]
+    h = jnp.tanh(x.reshape(b, -1) @ p['w1'] + t[:, None] * p['wt'][None] + cond.reshape(b, -1) @ p['wc']
+                 + p['b1'][None])
+    return (h @ p['w2'] + p['b2'][None]).reshape(x.shape)
+
+  def np_apply(p, x, t, cond):
+    p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    x = np.asarray(x, np.float64)
+    b = x.shape[0]
+    t = np.asarray(t, np.float64).reshape(b)
+    cond = np.asarray(cond, np.float64).reshape(b, -1)
+    h = np.tanh(x.reshape(b, -1) @ p['w1'] + t[:, None] * p['wt'][None] + cond @ p['wc'] + p['b1'][None])
+    return (h @ p['w2'] + p['b2'][None]).reshape(x.shape)
+
+  return types.SimpleNamespace(apply_fn=apply_fn, np_apply=np_apply, params=params,
+                               sample_shape=tuple(sample_shape), cond_dim=cond_dim)
+
+
+@pytest.fixture(scope='session')
+def tiny_mlp():
+  """Tiny MLP for 2-D samples with a (batch, 1) condition."""
+  return make_tiny_mlp()
+
+
+
+@pytest.fixture(scope='session')
+def tiny_mlp_factory():
+  """`make_tiny_mlp(sample_shape=(2,), cond_dim=1, hidden=8, seed=0, out_scale=0.5)`."""
+  return make_tiny_mlp

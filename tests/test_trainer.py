@@ -1,0 +1,205 @@
+"""The jitted train step, its sharding, checkpoint/resume, config validation and the CLI."""
+import json
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import toy2d as toy_config
+from ddrl_jax import config as config_lib
+from ddrl_jax import metrics as metrics_lib
+from ddrl_jax import optim
+from ddrl_jax import parallel
+from ddrl_jax import trainer as trainer_lib
+from ddrl_jax.rl import algorithms
+from ddrl_jax.tasks import toy2d
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_config(preset='ddrl', **overrides):
+  c = toy_config.get_config(preset)
+  c.toy2d.width, c.toy2d.depth = 32, 2
+  c.toy2d.pretrain_steps, c.toy2d.pretrain_batch = 200, 256
+  c.sampler.num_steps = 6
+  if c.rl.train_steps is not None:
+    c.rl.train_steps = tuple(range(6))
+  c.batch_size, c.num_rollouts = 8, 4
+  c.num_iterations, c.eval_every, c.eval_samples = 4, 0, 64
+  c.checkpoint_every = 2
+  for k, v in overrides.items():
+    node = c
+    *path, last = k.split('.')
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return c
+
+
+# ------------------------------------------------------------------------------------------ config
+@pytest.mark.parametrize('key,value,needle', [
+    ('num_rollouts', 1, 'config.num_rollouts'),
+    ('rl.clip_range', 0.0, 'config.rl.clip_range'),
+    ('rl.train_steps', (0, 2, 6), 'config.rl.train_steps'),
+    ('rl.train_steps', (-1,), 'config.rl.train_steps'),
+    ('rl.train_steps', (5,), 'config.rl.train_steps'),   # cosmos_2ab's deterministic last step
+    ('batch_size', 12, 'config.batch_size'),           # 12 groups over 8 data-parallel devices
+    ('algorithm', 'ppo', 'config.algorithm'),
+    ('rl.kl_beta', 0.1, 'config.rl.kl_beta'),           # DDRL holds no reference model
+    ('sampler.kind', 'euler', 'config.sampler.kind'),
+    ('mesh.fsdp', 3, 'config.mesh'),
+    ('rl.data_loss_steps', 'half', 'config.rl.data_loss_steps'),
+])
+def test_bad_config_names_the_key(key, value, needle):
+  c = small_config(**{key: value})
+  with pytest.raises(ValueError, match=needle.replace('.', r'\.')):
+    config_lib.validate(c, num_devices=8)
+
+
+def test_good_configs_validate():
+  for preset in ('ddrl', 'ddrl_reduced', 'ddrl_exact', 'flow_grpo', 'dance_grpo', 'ddpo'):
+    c = toy_config.get_config(preset)
+    assert config_lib.validate(c, num_devices=8) == (8, 1, 1, 1)
+    assert config_lib.validate(c, num_devices=1) == (1, 1, 1, 1)
+
+
+# -------------------------------------------------------------------------------------------- optim
+def test_power_ema_matches_cosmos_values():
+  gamma = optim.power_ema_gamma(0.1)
+  np.testing.assert_allclose(gamma, 6.94, atol=0.01)
+  np.testing.assert_allclose(gamma**3 + 7 * gamma**2 + (16 - 100) * gamma + (12 - 100), 0, atol=1e-8)
+  assert float(optim.power_ema_beta(0, gamma)) == 0.0
+  np.testing.assert_allclose(float(optim.power_ema_beta(10, gamma)), (1 - 1 / 11)**(gamma + 1),
+                             rtol=1e-6)
+  np.testing.assert_allclose(float(optim.power_ema_beta(10, gamma)), 0.47, atol=0.01)
+  np.testing.assert_allclose(float(optim.power_ema_beta(100, gamma)), 0.92, atol=0.01)
+
+
+def test_zero_nonfinite_counts_and_zeros():
+  g = {'a': jnp.array([1.0, jnp.nan, jnp.inf]), 'b': jnp.array([[-jnp.inf, 2.0]])}
+  clean, count = optim.zero_nonfinite(g)
+  assert int(count) == 3
+  np.testing.assert_array_equal(clean['a'], [1.0, 0.0, 0.0])
+  np.testing.assert_array_equal(clean['b'], [[0.0, 2.0]])
+
+
+def test_warmup_schedule():
+  c = small_config()
+  c.optim.warmup_steps, c.optim.learning_rate = 10, 1e-3
+  s = optim.learning_rate_schedule(c.optim)
+  np.testing.assert_allclose(float(s(0)), 1e-9, atol=1e-10)  # float32 cancellation in optax
+  np.testing.assert_allclose(float(s(5)), 1e-9 + 0.5 * (1e-3 - 1e-9), rtol=1e-5)
+  np.testing.assert_allclose(float(s(10)), 1e-3, rtol=1e-6)
+  np.testing.assert_allclose(float(s(1000)), 1e-3, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------- sharded update
+def _batch_for(config, seed=0):
+  """A rollout batch, data batch and state built on one device (host values, no mesh)."""
+  task = toy2d.Toy2D(config)
+  apply_fn, params = task.init_model(jax.random.key(seed))
+  sampler = trainer_lib.make_sampler(config)
+  key = jax.random.key(seed + 1)
+  cond = task.conditions(key, config.batch_size)
+  traj = sampler.rollout(apply_fn, params, cond, key, num_rollouts=config.num_rollouts,
+                         sample_shape=task.sample_shape)
+  rewards = np.asarray(task.reward(np.asarray(traj.x0), cond))
+  rewards[0, 1] = np.nan   # one failed sample
+  rollout = trainer_lib.RolloutBatch(traj=traj, rewards=jnp.asarray(rewards), cond=cond)
+  data = trainer_lib.DataBatch(x0=task.data(jax.random.key(seed + 2), cond), cond=cond)
+  return apply_fn, params, sampler, rollout, data
+
+
+@pytest.mark.parametrize('preset', ['ddrl', 'flow_grpo'])
+def test_sharded_step_equals_single_device(preset):
+  config = small_config(preset)
+  apply_fn, params, sampler, rollout, data = _batch_for(config)
+  optimizer = optim.make_optimizer(config.optim)
+  algo = algorithms.get_algorithm(config.algorithm)
+  step_fn = trainer_lib.make_train_step(apply_fn, sampler, config, optimizer)
+  key = jax.random.key(7)
+  steps = algo.select_steps(key, config.batch_size, config.num_rollouts,
+                            config_lib.train_steps(config), config.rl.train_fraction)
+  adv = trainer_lib.compute_advantages(rollout.rewards, config.rl)
+  data_term = algorithms.DataTerm(x0=data.x0, cond=data.cond, beta=config.rl.data_beta)
+
+  def loss_and_grad(p, rollout, data_term):
+    return jax.value_and_grad(
+        lambda q: algo.loss(apply_fn, q, p, sampler, rollout.traj, adv, steps, rollout.cond,
+                            data_term if algo.uses_data else None, key, config.rl),
+        has_aux=True)(p)
+
+  results = {}
+  for n in (1, 8):
+    mesh = parallel.make_mesh(config.mesh, jax.devices()[:n])
+    assert parallel.data_parallel_size(mesh) == n
+    rep, batch = parallel.replicated(mesh), parallel.batch_sharding(mesh)
+    put = lambda x, s: jax.device_put(x, s)
+    (loss, metrics), grads = jax.jit(loss_and_grad, in_shardings=(rep, batch, batch))(
+        put(params, rep), put(rollout, batch), put(data_term, batch))
+    state = trainer_lib.init_train_state(jax.tree.map(jnp.copy, params), config, optimizer)
+    state = jax.device_put(state, rep)
+    new_state, step_metrics = trainer_lib.jit_train_step(step_fn, mesh)(
+        state, put(rollout, batch), put(data, batch), key)
+    if n == 8:
+      assert len(rollout_sharding := put(rollout, batch).traj.x_in.sharding.device_set) == 8
+    results[n] = jax.device_get((loss, grads, new_state.params, step_metrics))
+  (l1, g1, p1, m1), (l8, g8, p8, m8) = results[1], results[8]
+  np.testing.assert_allclose(l1, l8, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(g1, g8, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(p1, p8, rtol=1e-5, atol=1e-7)
+  for k in ('loss', 'pg_loss', 'grad_norm', 'reward_mean', 'failed_rewards'):
+    np.testing.assert_allclose(m1[k], m8[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert m1['failed_rewards'] == 1
+  assert np.isfinite(m1['loss'])
+
+
+def test_ddrl_state_holds_no_reference_or_old_copy():
+  c = small_config('ddrl')
+  state = trainer_lib.init_train_state({'w': jnp.ones(3)}, c, optim.make_optimizer(c.optim))
+  assert state.ref_params is None
+  c = small_config('flow_grpo')
+  state = trainer_lib.init_train_state({'w': jnp.ones(3)}, c, optim.make_optimizer(c.optim))
+  assert state.ref_params is not None
+
+
+# ---------------------------------------------------------------------------------- resume / CLI
+def _train_metrics(workdir):
+  return {r['step']: r for r in metrics_lib.read_metrics(workdir) if 'loss' in r}
+
+
+def test_stop_and_resume_matches_uninterrupted(tmp_path):
+  config = small_config('ddrl', num_iterations=4)
+  trainer_lib.Trainer(config, tmp_path / 'straight').train(progress=False)
+  first = small_config('ddrl', num_iterations=2)
+  trainer_lib.Trainer(first, tmp_path / 'resumed').train(progress=False)
+  resumed = trainer_lib.Trainer(config, tmp_path / 'resumed')
+  assert resumed.restore_or_init() == 2
+  resumed.train(progress=False)
+  a, b = _train_metrics(tmp_path / 'straight'), _train_metrics(tmp_path / 'resumed')
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+  for step in (3, 4):
+    for k, v in a[step].items():
+      if not k.startswith('time_'):
+        np.testing.assert_allclose(b[step][k], v, rtol=1e-6, atol=1e-9, err_msg=f'step {step} {k}')
+
+
+def test_cli_runs_writes_and_rejects_bad_overrides(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  base = [sys.executable, '-m', 'ddrl_jax.train', '--config=configs/toy2d.py',
+          f'--workdir={tmp_path}', '--config.num_iterations=2', '--config.toy2d.pretrain_steps=20',
+          '--config.toy2d.width=16', '--config.eval_samples=64']
+  out = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  records = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
+  assert [r['step'] for r in records if 'loss' in r] == [1, 2]
+  assert os.path.isdir(tmp_path / 'checkpoints' / '2')
+  assert any(f.startswith('events') for f in os.listdir(tmp_path / 'tensorboard'))
+  bad = subprocess.run(base + ['--config.num_rollouts=1'], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert bad.returncode != 0 and 'config.num_rollouts=1' in bad.stderr
