@@ -1,0 +1,33 @@
+"""ddrl_jax: data-regularized RL (DDRL) and GRPO-family post-training of diffusion models in JAX/Flax."""
+from setuptools import find_packages
+from setuptools import setup
+
+# Pinned to versions known to work together (CPU here; add jax[cuda12] or jax[tpu] on accelerators).
+INSTALL_REQUIRES = [
+    'jax==0.10.2',
+    'jaxlib==0.10.2',
+    'flax==0.12.8',
+    'optax==0.2.8',
+    'orbax-checkpoint==0.12.8',
+    'chex==0.1.92',
+    'grain==0.2.18',
+    'ml_collections==1.1.0',
+    'clu==0.0.12',
+    'transformers==4.57.6',      # the last line with Flax text encoders (5.x dropped them)
+    'tensorflow-datasets==4.9.10',
+    'absl-py',
+    'numpy',
+    'scipy',
+    'tqdm',
+    'tensorboardX',              # TensorBoard event files without TensorFlow
+]
+
+setup(
+    name='ddrl_jax',
+    version='0.1.0',
+    description=__doc__,
+    packages=find_packages(include=['ddrl_jax', 'ddrl_jax.*', 'configs']),
+    python_requires='>=3.10',
+    install_requires=INSTALL_REQUIRES,
+    extras_require={'test': ['pytest', 'pytest-timeout']},
+)
