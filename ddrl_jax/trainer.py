@@ -218,8 +218,8 @@ class Trainer:
 
   def evaluate(self, it):
     c = self.config
-    groups = max(1, c.eval_samples // c.num_rollouts)
-    groups -= groups % parallel.data_parallel_size(self.mesh)
+    dp = parallel.data_parallel_size(self.mesh)
+    groups = max(dp, c.eval_samples // c.num_rollouts // dp * dp)
     key = jax.random.fold_in(jax.random.fold_in(self.rng, 0xE7A1), it)
     cond = jax.device_put(self.task.conditions(key, groups), parallel.batch_sharding(self.mesh))
     out = {}

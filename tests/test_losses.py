@@ -132,7 +132,8 @@ def test_pg_gradient_matches_reinforce(rollouts, tiny_mlp, name):
   alg = rl.ALGORITHMS[name]
   s, traj = rollouts[name]
   pool = alg.default_train_steps(T)
-  steps = _steps(pool) if alg.step_selection == 'fixed' else _random_steps(pool, 3)
+  # 3 random steps per rollout from the algorithm's pool (exercises the per-sample gather; keeps compiles small)
+  steps = _random_steps(pool, 3, seed=len(name))
   adv, cond = _advantages(3), _cond()
 
   def loss(p, scale):
@@ -296,15 +297,23 @@ def test_ddrl_data_loss_full_and_reduced(rollouts, tiny_mlp):
   s, traj = rollouts['ddrl']
   train_steps = rl.ALGORITHMS['ddrl'].default_train_steps(T)
   per = _np_data_loss_per_step(tiny_mlp, traj, train_steps)
-  for steps_opt in ('full', 'reduced'):
-    data = rl.DataTerm(_data_x0(), _cond(), beta=0.01, steps=steps_opt, cond_dropout=0.0)
-    loss, m = rl.ddrl_loss(tiny_mlp.apply_fn, tiny_mlp.params, s, traj, _advantages(), _steps(train_steps),
-                           _cond(), data, jax.random.key(2), loss_scale=10.0)
+
+  @jax.jit
+  def both(tr):
+    out = {}
+    for steps_opt in ('full', 'reduced'):
+      data = rl.DataTerm(_data_x0(), _cond(), beta=0.01, steps=steps_opt, cond_dropout=0.0)
+      out[steps_opt] = rl.ddrl_loss(tiny_mlp.apply_fn, tiny_mlp.params, s, tr, _advantages(),
+                                    _steps(train_steps), _cond(), data, jax.random.key(2), loss_scale=10.0)
+    return out
+
+  for steps_opt, (loss, m) in jax.device_get(both(traj)).items():
     if steps_opt == 'full':
       np.testing.assert_allclose(float(m['data_loss']), per.mean(), rtol=1e-5)
     else:
       # one random trained step per rollout: between the per-sample min and max over steps
       assert per.min(0).mean() - 1e-6 <= float(m['data_loss']) <= per.max(0).mean() + 1e-6
+      assert abs(float(m['data_loss']) - per.mean()) > 1e-6  # not silently the full average
     np.testing.assert_allclose(float(loss), 10.0 * (float(m['pg_loss']) + 0.01 * float(m['data_loss'])),
                                rtol=1e-5)
     np.testing.assert_allclose(float(m['loss']), float(loss), rtol=1e-6)
@@ -337,12 +346,16 @@ def test_flow_grpo_kl(rollouts, tiny_mlp):
   train_steps = rl.ALGORITHMS['flow_grpo'].default_train_steps(T)
   steps = _steps(train_steps)
   p = tiny_mlp.params
-  args = (s, traj, _advantages(), steps, _cond(), jax.random.key(0))
-  _, m = rl.flow_grpo_loss(tiny_mlp.apply_fn, p, p, *args)
-  assert float(m['kl']) == 0.0
-
   ref_p = _perturb(p, 0.1)
-  loss, m = rl.flow_grpo_loss(tiny_mlp.apply_fn, p, ref_p, *args, kl_beta=0.04)
+
+  @jax.jit
+  def both(tr):
+    args = (s, tr, _advantages(), steps, _cond(), jax.random.key(0))
+    return (rl.flow_grpo_loss(tiny_mlp.apply_fn, p, p, *args)[1],
+            rl.flow_grpo_loss(tiny_mlp.apply_fn, p, ref_p, *args, kl_beta=0.04))
+
+  m_same, (loss, m) = jax.device_get(both(traj))
+  assert float(m_same['kl']) == 0.0
   # numpy: FlowGRPO means under both parameter sets at the stored states
   x_in = np.asarray(traj.x_in, np.float64)
   cond = np.repeat(np.asarray(_cond()), N, axis=0)

@@ -53,8 +53,11 @@ def ddim_step(x, velocity, sigma, sigma_next, eta):
   x0_hat = x - sigma * velocity
   eps_hat = x + (1.0 - sigma) * velocity
   ratio = (1.0 - sigma) * sigma_next / ((1.0 - sigma_next) * sigma)
-  std = eta * sigma_next * jnp.sqrt(jnp.maximum(1.0 - ratio**2, 0.0))
-  mean = (1.0 - sigma_next) * x0_hat + jnp.sqrt(jnp.maximum(sigma_next**2 - std**2, 0.0)) * eps_hat
+  keep = jnp.maximum(1.0 - ratio**2, 0.0)
+  std = eta * sigma_next * jnp.sqrt(keep)
+  # sqrt(b_s^2 - std^2) written without the difference of squares (no cancellation).
+  mean = ((1.0 - sigma_next) * x0_hat
+          + sigma_next * jnp.sqrt(jnp.maximum(1.0 - eta**2 * keep, 0.0)) * eps_hat)
   return mean, std
 
 
