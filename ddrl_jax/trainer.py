@@ -105,7 +105,7 @@ def make_train_step(apply_fn, sampler, config, optimizer):
       beta = optim.power_ema_beta(state.step, gamma)
       ema = optim.ema_update(ema, params, beta)
       metrics['ema_beta'] = beta
-    failed = jnp.isnan(rollout.rewards)
+    failed = ~jnp.isfinite(rollout.rewards)   # NaN/Inf = failed sample (advantage 0, counted)
     valid_rewards = jnp.where(failed, 0.0, rollout.rewards)
     metrics.update(
         reward_mean=valid_rewards.sum() / jnp.maximum((~failed).sum(), 1),

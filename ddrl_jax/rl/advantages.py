@@ -26,8 +26,8 @@ def fill_failed(rewards, group_size):
 def group_advantages(rewards, group_size, *, clip=5.0, eps=1e-4, transform=None):
   """GRPO advantages as in cosmos-rl: A = (r - mean_g) / (std_g + eps), unbiased std, then clamp.
 
-  Failed samples (NaN reward) are filled with the group's valid mean, so they get advantage exactly 0
-  and do not move the group's mean; count them with `jnp.isnan(rewards).sum()`.
+  Failed samples (NaN or infinite reward) are filled with the group's valid mean, so they get advantage
+  exactly 0 and do not move the group's mean; count them with `(~jnp.isfinite(rewards)).sum()`.
 
   Args:
     rewards: (B*N,) rewards, groups consecutive.

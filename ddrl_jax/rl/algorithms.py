@@ -117,7 +117,7 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
   num_k = steps.shape[-1]
   picked = samplers.gather_steps(traj, steps)
 
-  # The rollout's own step function, so the recompute repeats the rollout's arithmetic.
+  # The rollout's own step function recomputes the means with `params`.
   batched_mean = lambda p, inp: sampler.batched_step(apply_fn, p, inp, cond)[0]
 
   k_steps, k_reduced = jax.random.split(key)
@@ -150,11 +150,12 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
   if data is not None:
     if not use_full_data:
       k_pick, k_data = jax.random.split(k_reduced)
-      which = jax.random.randint(k_pick, advantages.shape, 0, num_k)
-      one = {f: jnp.take_along_axis(picked[f], which.reshape((1,) + which.shape + (1,) * (picked[f].ndim - 3)),
-                                    axis=0)[0] for f in samplers.StepInputs._fields}
-      metrics['data_loss'] = _data_loss_at(apply_fn, params, sampler, _step_inputs(one), traj.noise,
-                                           data, k_data)
+      which = jax.random.randint(k_pick, advantages.shape, 0, num_k)   # (B, N) positions in K
+      # The data loss needs only the noise levels of the drawn step: the (K, B, N) scalar fields.
+      levels = {f: jnp.take_along_axis(picked[f], which[None], axis=0)[0]
+                for f in ('step', 't_in', 'sigma_in', 'sigma_next', 'sigma_prev')}
+      inp = samplers.StepInputs(x_in=None, x0_prev=None, **levels)
+      metrics['data_loss'] = _data_loss_at(apply_fn, params, sampler, inp, traj.noise, data, k_data)
     total = total + data.beta * metrics['data_loss']
   total = loss_scale * total
   metrics['loss'] = total

@@ -2,8 +2,9 @@
 
 A denoiser is any ``apply_fn(params, x_t, t, cond) -> velocity`` with a leading batch axis on x_t, t and
 cond (a pytree). The samplers call it on one sample at a time (batch 1) inside `jax.vmap`, so XLA sees a
-(B, N)-batched network call per step, and the training-time recompute of a step mean runs the very same
-computation (which is what makes the first importance ratio exactly 1).
+(B, N)-batched network call per step. The training-time recompute of a step mean goes through the same
+`Sampler.batched_step`; in a separately compiled program it matches the stored mean up to round-off
+(about 1 ulp on CPU), which is why the losses offer `old_mean='detached'` for an exactly-1 ratio.
 """
 import dataclasses
 from typing import NamedTuple
@@ -142,27 +143,24 @@ class Sampler:
     velocity = _call_single(apply_fn, params, self.network_input(inp.x_in, inp.t_in), inp.t_in, cond)
     return self.kernel(inp, velocity)
 
-  def mean_velocity_gain(self, inp):
-    """d mean / d velocity of a step (a scalar per step: every kernel is affine in v)."""
+  def path_kl_weight(self, inp):
+    """Per-step weight w with KL(step with v* || step with v_theta) = w * ||v_theta - v*||^2.
+
+    w = (d mean / d v)^2 / (2 std^2), the step's term of this sampler's path KL (Girsanov in the
+    continuous limit); every kernel is affine in v, so d mean / d v is a scalar per step. Shapes follow
+    `inp.t_in`. Used by the Theorem 3.1 check; needs std > 0.
+    """
     zero = jnp.zeros_like(inp.t_in)
     inp = inp._replace(x_in=zero, x0_prev=zero)
-    return self.kernel(inp, zero + 1.0)[0] - self.kernel(inp, zero)[0]
-
-  def path_kl_weight(self, inp):
-    """Weight w_i with KL(step under v*) || step under v_theta) = w_i * mean_elems (v_theta - v*)^2 * D.
-
-    w_i = (d mean / d v)^2 / (2 std^2): the per-step term of the path KL of this sampler (Girsanov in
-    the continuous limit). Used by the Theorem 3.1 check; needs std > 0.
-    """
-    _, std, _ = self.kernel(inp._replace(x_in=jnp.zeros_like(inp.t_in),
-                                         x0_prev=jnp.zeros_like(inp.t_in)), jnp.zeros_like(inp.t_in))
-    return self.mean_velocity_gain(inp)**2 / (2.0 * std**2)
+    mean_at_0, std, _ = self.kernel(inp, zero)
+    gain = self.kernel(inp, zero + 1.0)[0] - mean_at_0
+    return gain**2 / (2.0 * std**2)
 
   def batched_step(self, apply_fn, params, inp, cond):
     """(mean, std, x0_hat) of one step for every rollout: `inp` fields are (B, N, ...), cond (B, ...).
 
-    The rollout and the training-time recompute both call this, so both run the same arithmetic (vmap
-    over N inside vmap over B; the network sees one sample at a time).
+    The rollout and the training-time recompute both call this (vmap over N inside vmap over B; the
+    network sees one sample at a time).
     """
     one = lambda i, c: self.step_mean(apply_fn, params, i, c)
     return jax.vmap(jax.vmap(one, in_axes=(0, None)), in_axes=(0, 0))(inp, cond)
