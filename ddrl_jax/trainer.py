@@ -3,7 +3,6 @@
 One iteration: B conditions -> N rollouts each (jitted, scan over T, vmap over N) -> rewards on the host ->
 one jitted update that adds the policy-gradient and diffusion-loss gradients -> AdamW -> power EMA.
 """
-import dataclasses
 import os
 import time
 from typing import Any, NamedTuple

@@ -21,6 +21,7 @@ def test_readme_example_runs(capsys):
   namespace = {}
   exec(compile(code, 'README.md', 'exec'), namespace)
   loss, metrics, grads = namespace['loss'], namespace['metrics'], namespace['grads']
+  assert __import__('numpy').isfinite(float(loss))
   assert float(metrics['ratio_mean']) > 0.99
   assert all(float(abs(g).sum()) > 0 for g in __import__('jax').tree.leaves(grads))
   assert 'data_loss' in metrics and float(metrics['data_loss']) > 0

@@ -147,7 +147,7 @@ def test_sharded_step_equals_single_device(preset):
     new_state, step_metrics = trainer_lib.jit_train_step(step_fn, mesh)(
         state, put(rollout, batch), put(data, batch), key)
     if n == 8:
-      assert len(rollout_sharding := put(rollout, batch).traj.x_in.sharding.device_set) == 8
+      assert len(put(rollout, batch).traj.x_in.sharding.device_set) == 8
     results[n] = jax.device_get((loss, grads, new_state.params, step_metrics))
   (l1, g1, p1, m1), (l8, g8, p8, m8) = results[1], results[8]
   np.testing.assert_allclose(l1, l8, rtol=1e-5, atol=1e-7)

@@ -5,7 +5,6 @@ Data: p_data = sum_k pi_k N(mu_k, s^2 I). Reward: r(x) = w . x. Then
   pi*_k ∝ pi_k exp(w . mu_k / beta),   Z = beta log E_pdata[e^{r/beta}] = beta log sum_k pi_k e^{w.mu_k/beta} + s^2|w|^2/(2 beta).
 so the tilt reweights the components and shifts each by s^2 w / beta.
 """
-import functools
 
 import flax.nnx as nnx
 import jax
