@@ -99,7 +99,7 @@ def abstract_params(config):
   """{path tuple: ShapeDtypeStruct-like} of the model's nnx.Param leaves, without allocating."""
   abstract = nnx.eval_shape(lambda: CosmosDiT(config, rngs=nnx.Rngs(0)))
   state = nnx.state(abstract, nnx.Param)
-  return abstract, {tuple(str(p) for p in path): v.value for path, v in nnx.to_flat_state(state)}
+  return abstract, {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(state)}
 
 
 def _to_kernel(value, kind):
@@ -151,7 +151,7 @@ def _convert(state_dict, config, rules, drop=None):
   state = nnx.state(abstract, nnx.Param)
   for path, variable in nnx.to_flat_state(state):
     key = tuple(str(p) for p in path)
-    variable.value = flat[key].astype(expected[key].dtype)
+    variable.set_value(flat[key].astype(expected[key].dtype))
   return state
 
 

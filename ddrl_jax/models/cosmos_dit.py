@@ -105,6 +105,8 @@ def timestep_sinusoid(t, dim):
 def rope_dims(head_dim):
   """Split of the head dim into (t, h, w) RoPE parts: h = w = head_dim//6*2, t = the rest."""
   dh = head_dim // 6 * 2
+  if dh < 4 or head_dim % 2:
+    raise ValueError(f'head_dim={head_dim}: the 3D RoPE split needs an even head_dim >= 12')
   return head_dim - 2 * dh, dh, dh
 
 
@@ -212,7 +214,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), -1, keepdims=True) + self.eps)
-    return (xf * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+    return (xf * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class AdaLNModulation(nnx.Module):
@@ -346,6 +348,7 @@ class CosmosDiT(nnx.Module):
   def __init__(self, config, *, rngs):
     cfg = self.config = config
     d = cfg.model_channels
+    rope_dims(cfg.head_dim)
     if cfg.patch[0] != 1:
       raise ValueError(f'per-frame timesteps need patch t == 1, got patch={cfg.patch}')
     self.x_embedder = _linear(cfg.patch_in_features, d, (None, 'embed'), rngs, dtype=cfg.dtype,
