@@ -413,3 +413,12 @@ def test_log_ratio_forms_numpy():
   np.testing.assert_allclose(g, lp(m1) - lp(m0), rtol=1e-4, atol=1e-5)
   with pytest.raises(ValueError):
     rl.log_ratio(x, m1, m0, std, form='kl')
+
+
+def test_drop_condition_drops_only_text_of_a_dict_condition():
+  cond = {'text': jnp.ones((64, 3, 2)), 'first_frame': jnp.ones((64, 4))}
+  out = rl.drop_condition(cond, jax.random.key(0), 0.5)
+  np.testing.assert_array_equal(out['first_frame'], cond['first_frame'])
+  dropped = np.asarray(out['text']).reshape(64, -1).sum(axis=1) == 0
+  assert 10 < dropped.sum() < 54                     # about half, whole samples at a time
+  assert set(np.unique(np.asarray(out['text']))) <= {0.0, 1.0}

@@ -13,11 +13,15 @@ def cosmos_loss_weight(t):
 def drop_condition(cond, key, rate):
   """Replaces each sample's condition by zeros (the null condition) with probability `rate`.
 
-  cond: pytree of (batch, ...) arrays. Returns the same structure.
+  cond: pytree of (batch, ...) arrays. If it is a dict with a 'text' entry, only that entry is dropped
+  (cosmos drops the text embedding but keeps image-to-video frames); otherwise every leaf is.
+  Returns the same structure.
   """
   leaves = jax.tree.leaves(cond)
   if rate <= 0 or not leaves:
     return cond
+  if isinstance(cond, dict) and 'text' in cond:
+    return {**cond, 'text': drop_condition(cond['text'], key, rate)}
   keep = jax.random.bernoulli(key, 1.0 - rate, (leaves[0].shape[0],))
   return jax.tree.map(lambda c: jnp.where(keep.reshape((-1,) + (1,) * (c.ndim - 1)), c, 0).astype(c.dtype),
                       cond)
