@@ -1,0 +1,336 @@
+"""Command line: PyTorch / diffusers checkpoints -> orbax checkpoints of `CosmosDiT` / `WanVAE` params.
+
+  python -m ddrl_jax.models.convert --source=PATH --model=cosmos2b|cosmos14b|cosmos_tiny|wan21_vae|wan_tiny \
+      --out=DIR [--dtype=float32|bfloat16]
+
+Sources:
+- a torch `.pt` / `.pth` file, read with `torch.load(..., weights_only=True)` ONLY: a file that holds
+  anything but tensors and plain containers is refused (nothing arbitrary is unpickled);
+- one `.safetensors` file;
+- a diffusers folder (`config.json` + `*.safetensors`, optionally sharded through
+  `diffusion_pytorch_model.safetensors.index.json`), or a pipeline folder holding `transformer/` / `vae/`.
+
+Naming is detected from the keys:
+- Cosmos: `net.`-prefixed (original Cosmos-Predict2.5 `.pt`) -> `convert_cosmos_state_dict`, else diffusers
+  `CosmosTransformer3DModel` names -> `convert_diffusers_state_dict`.
+- Wan VAE: original Wan2.1 names (`encoder.downsamples.*`, `decoder.upsamples.*`, `conv1`, `conv2`, ... as in
+  `Wan2.1_VAE.pth` / Cosmos `tokenizer.pth`) are renamed to diffusers `AutoencoderKLWan` names by
+  `wan_original_to_diffusers`, then -> `convert_diffusers_vae_state_dict`.
+
+Output, in DIR:
+- `params/`: an orbax `StandardCheckpointer` checkpoint of the pure nested dict of the model's nnx.Param
+  values (host numpy, cast to --dtype);
+- `conversion.json`: model, source, naming, dtype, number of source tensors, parameter count.
+`load_converted(DIR, model)` restores it as an `nnx.State` of Params, ready for `merge_params`.
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+
+MODELS = ('cosmos2b', 'cosmos14b', 'cosmos_tiny', 'wan21_vae', 'wan_tiny')
+DTYPES = ('float32', 'bfloat16')
+
+
+# ------------------------------------------------------------------------------------------ configs
+def model_family(model):
+  if model not in MODELS:
+    raise ValueError(f'unknown --model {model!r}; choose one of {MODELS}')
+  return 'wan' if model.startswith('wan') else 'cosmos'
+
+
+def model_config(model, dtype='float32'):
+  """The model config for a CLI model name; params are held in `dtype`."""
+  import jax.numpy as jnp
+  from ddrl_jax.models import cosmos_dit, wan_vae
+  param_dtype = jnp.dtype(dtype)
+  makers = {'cosmos2b': cosmos_dit.cosmos2b, 'cosmos14b': cosmos_dit.cosmos14b,
+            'cosmos_tiny': cosmos_dit.tiny, 'wan21_vae': wan_vae.wan21, 'wan_tiny': wan_vae.tiny}
+  if model not in makers:
+    model_family(model)  # raises the readable error
+  return makers[model](param_dtype=param_dtype)
+
+
+def _converters(model):
+  if model_family(model) == 'wan':
+    from ddrl_jax.models import wan_vae_convert as m
+  else:
+    from ddrl_jax.models import cosmos_convert as m
+  return m
+
+
+# ------------------------------------------------------------------------------------------ reading
+def _tensor_to_numpy(t):
+  import torch
+  t = t.detach()
+  if t.is_floating_point():
+    return t.to(torch.float32).numpy()
+  return t.numpy()
+
+
+def _unwrap(obj, path):
+  """A torch.load result -> flat {name: value}; unwraps one {'state_dict'|'model'|'net': {...}} level."""
+  if not isinstance(obj, dict):
+    raise ValueError(f'{path}: expected a dict of tensors, got {type(obj).__name__}')
+  if len(obj) == 1:
+    (k, v), = obj.items()
+    if k in ('state_dict', 'model', 'module') and isinstance(v, dict):
+      return v
+  return obj
+
+
+def _unpickle_detail(e):
+  """The line of torch's refusal that names the offending global (without its unsafe-loading advice)."""
+  hits = [l.strip() for l in str(e).splitlines() if 'Unsupported' in l or 'GLOBAL' in l]
+  return f' Detail: {hits[0].split(" was not an allowed")[0]}' if hits else f' Detail: {type(e).__name__}'
+
+
+def load_torch_file(path):
+  """{name: float32 numpy} of a torch .pt/.pth, loaded with weights_only=True (no arbitrary unpickling)."""
+  import pickle
+  import torch
+  try:
+    try:
+      obj = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+    except RuntimeError as e:  # legacy (non-zip) files cannot be memory-mapped
+      if 'mmap' not in str(e):
+        raise
+      obj = torch.load(path, map_location='cpu', weights_only=True)
+  except (pickle.UnpicklingError, AttributeError, TypeError) as e:
+    raise ValueError(
+        f'{path}: refused: the file contains non-tensor Python objects, which torch.load(weights_only=True) '
+        f'will not unpickle (only tensors and plain containers are accepted). Re-save a plain state dict '
+        f'of tensors (or a .safetensors file).{_unpickle_detail(e)}') from None
+  sd = _unwrap(obj, path)
+  out, bad = {}, []
+  for k in list(sd.keys()):
+    v = sd.pop(k)
+    if isinstance(v, torch.Tensor):
+      out[k] = _tensor_to_numpy(v)
+    elif isinstance(v, (int, float, bool)):
+      out[k] = np.asarray(v)
+    elif v is None or k.endswith('._extra_state'):
+      continue  # bookkeeping (e.g. TransformerEngine extra state); holds no weights
+    else:
+      bad.append(f'{k} ({type(v).__name__})')
+  if bad:
+    raise ValueError(f'{path}: refused: non-tensor entries {bad}')
+  return out
+
+
+def load_safetensors_file(path, into=None):
+  from safetensors import safe_open
+  out = {} if into is None else into
+  with safe_open(path, framework='pt', device='cpu') as f:
+    for k in f.keys():
+      out[k] = _tensor_to_numpy(f.get_tensor(k))
+  return out
+
+
+def _diffusers_dir(path, family):
+  """The folder holding the weights: `path`, or its `transformer/` (cosmos) / `vae/` (wan) subfolder."""
+  if glob.glob(os.path.join(path, '*.safetensors')):
+    return path
+  sub = os.path.join(path, 'vae' if family == 'wan' else 'transformer')
+  if os.path.isdir(sub) and glob.glob(os.path.join(sub, '*.safetensors')):
+    return sub
+  raise ValueError(f'{path}: no *.safetensors in the folder (nor in {os.path.basename(sub)}/)')
+
+
+def load_diffusers_dir(path, family):
+  d = _diffusers_dir(path, family)
+  index = os.path.join(d, 'diffusion_pytorch_model.safetensors.index.json')
+  if os.path.exists(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)['weight_map'].values()))
+    files = [os.path.join(d, n) for n in files]
+  else:
+    single = os.path.join(d, 'diffusion_pytorch_model.safetensors')
+    files = [single] if os.path.exists(single) else sorted(glob.glob(os.path.join(d, '*.safetensors')))
+  out = {}
+  for f in files:
+    load_safetensors_file(f, into=out)
+  return out
+
+
+def load_source(path, family='cosmos'):
+  """{name: numpy (floats as float32)} from a .pt/.pth, a .safetensors or a diffusers folder."""
+  if not os.path.exists(path):
+    raise ValueError(f'{path}: no such file or folder')
+  if os.path.isdir(path):
+    return load_diffusers_dir(path, family)
+  if path.endswith('.safetensors'):
+    return load_safetensors_file(path)
+  if path.endswith(('.pt', '.pth', '.bin', '.ckpt')):
+    return load_torch_file(path)
+  raise ValueError(f'{path}: unknown source type (want .pt/.pth, .safetensors or a diffusers folder)')
+
+
+# --------------------------------------------------------------------------- original Wan2.1 names
+_WAN_RES = (('residual.0.gamma', 'norm1.gamma'), ('residual.2.', 'conv1.'), ('residual.3.gamma', 'norm2.gamma'),
+            ('residual.6.', 'conv2.'), ('shortcut.', 'conv_shortcut.'))
+
+
+def is_wan_original(keys):
+  return any(k.startswith(('encoder.downsamples.', 'decoder.upsamples.', 'encoder.middle.', 'encoder.conv1.'))
+             for k in keys)
+
+
+def _res(rest):
+  for old, new in _WAN_RES:
+    if rest.startswith(old):
+      return new + rest[len(old):]
+  return rest
+
+
+def _decoder_layout(config):
+  """Original flat `decoder.upsamples` index -> ('resnets', stage, j) or ('upsampler', stage)."""
+  layout, stages = [], len(config.dim_mult)
+  for i in range(stages):
+    layout += [('resnets', i, j) for j in range(config.num_res_blocks + 1)]
+    if i != stages - 1:
+      layout.append(('upsampler', i))
+  return layout
+
+
+def wan_original_to_diffusers(state_dict, config):
+  """Original Wan2.1 VAE names (`wan/modules/vae.py`, attn_scales=[]) -> diffusers `AutoencoderKLWan` names.
+
+  General in `config` (dim_mult, num_res_blocks); for the released layout it agrees with diffusers'
+  `convert_wan_vae_to_diffusers` (checked in tests). Keys it does not know are passed through, so the
+  VAE converter reports them as unexpected.
+  """
+  layout = _decoder_layout(config)
+  out = {}
+  for key, value in state_dict.items():
+    new = key
+    m = re.fullmatch(r'(encoder|decoder)\.(.*)', key)
+    if key.startswith(('conv1.', 'conv2.')):
+      new = ('quant_conv.' if key.startswith('conv1.') else 'post_quant_conv.') + key[6:]
+    elif m:
+      part, rest = m.groups()
+      if rest.startswith('conv1.'):
+        new = f'{part}.conv_in.{rest[6:]}'
+      elif rest.startswith('head.0.'):
+        new = f'{part}.norm_out.{rest[7:]}'
+      elif rest.startswith('head.2.'):
+        new = f'{part}.conv_out.{rest[7:]}'
+      elif (mm := re.fullmatch(r'middle\.([012])\.(.*)', rest)):
+        i, r = int(mm.group(1)), mm.group(2)
+        new = (f'{part}.mid_block.attentions.0.{r}' if i == 1 else
+               f'{part}.mid_block.resnets.{i // 2}.{_res(r)}')
+      elif part == 'encoder' and (mm := re.fullmatch(r'downsamples\.(\d+)\.(.*)', rest)):
+        new = f'encoder.down_blocks.{mm.group(1)}.{_res(mm.group(2))}'
+      elif part == 'decoder' and (mm := re.fullmatch(r'upsamples\.(\d+)\.(.*)', rest)):
+        idx, r = int(mm.group(1)), mm.group(2)
+        if idx < len(layout):
+          slot = layout[idx]
+          new = (f'decoder.up_blocks.{slot[1]}.resnets.{slot[2]}.{_res(r)}' if slot[0] == 'resnets' else
+                 f'decoder.up_blocks.{slot[1]}.upsamplers.0.{r}')
+    out[new] = value
+  return out
+
+
+# ------------------------------------------------------------------------------------------ convert
+def convert_state_dict(state_dict, model, dtype='float32'):
+  """{name: numpy} -> (nnx.State of Params, naming) for a CLI model name."""
+  config = model_config(model, dtype)
+  conv = _converters(model)
+  if model_family(model) == 'wan':
+    if is_wan_original(state_dict):
+      return conv.convert_diffusers_vae_state_dict(wan_original_to_diffusers(state_dict, config),
+                                                   config), 'wan_original'
+    return conv.convert_diffusers_vae_state_dict(state_dict, config), 'diffusers'
+  if any(k.startswith('net.') for k in state_dict):
+    return conv.convert_cosmos_state_dict(state_dict, config), 'cosmos_original'
+  return conv.convert_diffusers_state_dict(state_dict, config), 'diffusers'
+
+
+def _abstract_pure(model, dtype):
+  import jax
+  from flax import nnx
+  config = model_config(model, dtype)
+  abstract, _ = _converters(model).abstract_params(config)
+  state = nnx.state(abstract, nnx.Param)
+  pure = nnx.to_pure_dict(state)
+  pure = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pure)
+  return state, pure
+
+
+def convert(source, model, out, dtype='float32'):
+  """Reads `source`, converts it for `model`, writes DIR/params (orbax) + DIR/conversion.json."""
+  import jax
+  import orbax.checkpoint as ocp
+  from flax import nnx
+  if dtype not in DTYPES:
+    raise ValueError(f'--dtype must be one of {DTYPES}, got {dtype!r}')
+  family = model_family(model)
+  source = os.path.abspath(source)
+  try:
+    sd = load_source(source, family)
+    num_tensors = len(sd)
+    state, naming = convert_state_dict(sd, model, dtype)
+  except ValueError as e:
+    msg = str(e)[len(source) + 2:] if str(e).startswith(source + ': ') else str(e)
+    raise ValueError(f'{source} (--model={model}): {msg}') from None
+  del sd
+  np_dtype = np.dtype(jax.numpy.dtype(dtype))
+  pure = jax.tree.map(lambda x: np.asarray(x).astype(np_dtype, copy=False), nnx.to_pure_dict(state))
+  num_params = int(sum(math.prod(x.shape) for x in jax.tree.leaves(pure)))
+  out = os.path.abspath(out)
+  os.makedirs(out, exist_ok=True)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(os.path.join(out, 'params'), pure, force=True)
+  ckptr.wait_until_finished()
+  info = dict(model=model, source=source, naming=naming, dtype=dtype, num_tensors=num_tensors,
+              num_params=num_params)
+  with open(os.path.join(out, 'conversion.json'), 'w') as f:
+    json.dump(info, f, indent=2)
+  return info
+
+
+def load_converted(out_dir, model=None, dtype=None):
+  """Restores DIR/params as an nnx.State of the model's Params (host numpy values).
+
+  `model`/`dtype` default to those in DIR/conversion.json; a given `model` must agree with it.
+  Use with `cosmos_convert.merge_params(config, state)` / `wan_vae_convert.merge_params(config, state)`.
+  """
+  import orbax.checkpoint as ocp
+  from flax import nnx
+  out_dir = os.path.abspath(out_dir)
+  with open(os.path.join(out_dir, 'conversion.json')) as f:
+    info = json.load(f)
+  if model is not None and model != info['model']:
+    raise ValueError(f'{out_dir} holds {info["model"]} params, not {model}')
+  model, dtype = info['model'], dtype or info['dtype']
+  state, target = _abstract_pure(model, dtype)
+  restored = ocp.StandardCheckpointer().restore(os.path.join(out_dir, 'params'), target)
+  nnx.replace_by_pure_dict(state, restored)
+  return state
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def main(argv=None):
+  p = argparse.ArgumentParser(prog='python -m ddrl_jax.models.convert', description=__doc__.split('\n')[0])
+  p.add_argument('--source', required=True, help='.pt/.pth, .safetensors or diffusers folder')
+  p.add_argument('--model', required=True, choices=MODELS)
+  p.add_argument('--out', required=True, help='output folder (orbax params/ + conversion.json)')
+  p.add_argument('--dtype', default='float32', choices=DTYPES)
+  args = p.parse_args(argv)
+  try:
+    info = convert(args.source, args.model, args.out, args.dtype)
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
+  print(f'converted {info["model"]} ({info["naming"]} naming, {info["num_tensors"]} tensors, '
+        f'{info["num_params"]:,} params, {info["dtype"]}) from {info["source"]} -> {os.path.abspath(args.out)}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
