@@ -1,0 +1,298 @@
+"""Text-to-video and image-to-video DDRL with the Cosmos-Predict2.5 DiT as the policy.
+
+The policy is `models.cosmos_dit.CosmosDiT` on normalized Wan2.1 latents (16, T, H, W). The trainer's
+generic sampler calls ``apply_fn(params, x_t, t, cond)`` with the flow state x_t = (1 - t) x0 + t eps
+and expects the velocity eps - x0; this module wraps the DiT into that interface and adds cosmos'
+frame-replace image-to-video conditioning (cosmos_predict25_architecture.md section 1.4).
+
+Conditions (a dict of (B, ...) arrays, sharded on B by the trainer):
+  text:        (B, L, C) context embeddings (C = crossattn_in of the DiT, or context_dim without it).
+  first_frame: (B, 16, 1, H, W) clean ground-truth latent of latent frame 0 of the paired video.
+  num_cond:    (B,) int32, 0 (text-to-video) or 1 (image-to-video), drawn per group with probability
+               config.cosmos.i2v_prob (0.5 as cosmos-rl's min/max_num_conditional_frames = 0/1).
+  index:       (B,) int32 index of the paired dataset item (the data term looks its latents up).
+The data loss's condition dropout (rl.cond_dropout) zeroes only cond['text'] (diffusion_loss.drop_condition),
+so image-to-video groups keep their conditioning frame, as in cosmos.
+
+Conditioned frames (frame replacement):
+  * the DiT input of frame 0 is the GT latent, the cond-mask channel is 1 there, and its per-frame
+    timestep is config.cosmos.cond_timestep (1e-4 = cosmos' sigma_conditional, i.e.
+    conditional_frame_timestep 0.1 on the 0-1000 scale);
+  * the returned velocity of frame 0 is v = (x_t - gt) / t, computed from the sampler's own state x_t.
+    Every consumer here turns a velocity into x0_hat = x_t - t v (the cosmos_2ab kernel via
+    `transitions.cosmos_x0`: (1-t) x_sigma - t v with x_t = (1-t) x_sigma), so x0_hat = gt (exactly up
+    to float32 rounding). This *is* cosmos' replacement v = noise - gt: write the conditioned frame of the
+    state as x_t = (1-t) gt + t n, which defines the effective noise n = (x_t - (1-t) gt)/t; then
+    n - gt = (x_t - gt)/t. In the data loss x_t = (1-t) x0 + t eps with x0's frame 0 = gt, so n = eps and
+    v equals cosmos' (eps - gt) and the conditioned frame contributes 0 to the velocity MSE (it still
+    counts in the mean, as in cosmos). In a rollout cosmos replaces x0_hat by gt directly
+    (denoise_replace_gt_frames); the formula above gives the same x0_hat without knowing the noise.
+
+Data (config.cosmos.data == 'synthetic', the only source so far): a fixed set of videos of a coloured
+square moving over a dark background, each rendered with numpy from the item's seed; the motion and
+colour are those the paired prompt names. They are encoded once with the (randomly initialized or
+converted) Wan VAE and normalized, so the data term really trains on VAE latents of videos.
+
+Text (config.cosmos.text == 'bytes'): the prompt's UTF-8 bytes through a frozen, fixed-seed
+`models.text.ByteEmbedding` of width C (not trained; a stand-in for precomputed Cosmos-Reason1
+full_concat embeddings).
+
+Reward: `temporal_smoothness`: the latents are denormalized and decoded with the VAE (jitted), turned into
+uint8 video, and r = -mean |frame_{k+1} - frame_k| / 255 over pixels, channels and consecutive frame
+pairs (0 = static video; in [-1, 0]). NaN for samples whose latent or decode is not finite (the trainer
+counts them as failed, advantage 0). There is no trainer hook to write decoded frames to the workdir, so
+this task writes none.
+"""
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddrl_jax.models import cosmos_dit
+from ddrl_jax.models import text as text_lib
+from ddrl_jax.models import wan_vae
+
+# (prompt, RGB in [0, 1], direction (dy, dx) in pixels per frame per unit speed).
+PROMPTS = (
+    ('a red square moving to the right', (1.0, 0.1, 0.1), (0, 1)),
+    ('a green square moving to the left', (0.1, 0.9, 0.1), (0, -1)),
+    ('a blue square moving down', (0.2, 0.3, 1.0), (1, 0)),
+    ('a yellow square moving up', (1.0, 0.9, 0.1), (-1, 0)),
+    ('a magenta square drifting diagonally down and right', (0.9, 0.1, 0.9), (1, 1)),
+    ('a cyan square drifting diagonally up and left', (0.1, 0.9, 0.9), (-1, -1)),
+    ('a white square standing still', (0.95, 0.95, 0.95), (0, 0)),
+    ('an orange square moving right slowly', (1.0, 0.55, 0.1), (0, 0.5)),
+)
+
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+def dit_config(c):
+  """CosmosDiTConfig from config.cosmos: preset ('cosmos2b', 'cosmos14b', 'tiny') + overrides."""
+  presets = {'cosmos2b': cosmos_dit.cosmos2b, 'cosmos14b': cosmos_dit.cosmos14b,
+             'tiny': cosmos_dit.tiny}
+  kw = dict(c.dit_overrides) if c.get('dit_overrides') else {}
+  kw.update(dtype=DTYPES[c.dtype], param_dtype=DTYPES[c.param_dtype], remat_policy=c.remat_policy)
+  return presets[c.model](**kw)
+
+
+def vae_config(c):
+  presets = {'wan21': wan_vae.wan21, 'tiny': wan_vae.tiny}
+  kw = dict(c.vae_overrides) if c.get('vae_overrides') else {}
+  return presets[c.vae](**kw)
+
+
+def render_square_video(item, frames, height, width):
+  """(3, frames, height, width) float32 video in [-1, 1]: prompt item % len(PROMPTS)'s square.
+
+  Deterministic in `item`: start position, size and speed come from RandomState(item).
+  """
+  _, rgb, (dy, dx) = PROMPTS[item % len(PROMPTS)]
+  rs = np.random.RandomState(item)
+  side = max(2, int(round(min(height, width) * rs.uniform(0.2, 0.35))))
+  speed = rs.uniform(0.5, 1.5) * min(height, width) / max(frames, 2) / 2
+  y0 = rs.uniform(0, height - side)
+  x0 = rs.uniform(0, width - side)
+  bg = rs.uniform(0.05, 0.2, size=3)
+  video = np.empty((3, frames, height, width), np.float32)
+  video[:] = bg[:, None, None, None]
+  for f in range(frames):
+    y = int(round(np.clip(y0 + dy * speed * f, 0, height - side)))
+    x = int(round(np.clip(x0 + dx * speed * f, 0, width - side)))
+    video[:, f, y:y + side, x:x + side] = np.asarray(rgb, np.float32)[:, None, None]
+  return video * 2.0 - 1.0
+
+
+def temporal_smoothness(video_u8):
+  """(..., 3, F, H, W) uint8 -> (...) float32: -mean |frame_{k+1} - frame_k| / 255."""
+  v = video_u8.astype(np.float32) / 255.0
+  return -np.abs(np.diff(v, axis=-3)).mean(axis=(-4, -3, -2, -1))
+
+
+def make_apply_fn(graphdef, cond_timestep):
+  """apply_fn(params, x_t, t, cond) -> velocity for an NNX CosmosDiT graphdef.
+
+  x_t (B, 16, T, H, W) flow state, t (B,), cond the dict described in the module docstring (a missing
+  'first_frame'/'num_cond' means text-to-video). The conditioned frame's velocity is (x_t - gt) / t.
+  """
+
+  def apply_fn(params, x_t, t, cond):
+    # Rebuild the Variables at the current trace level: the sampler closes over params under jit and
+    # calls this inside vmap, where NNX refuses Variables created at the outer (jit) level.
+    params = jax.tree.map(lambda a: a, params)
+    model = nnx.merge(graphdef, params)
+    b, _, frames, h, w = x_t.shape
+    x_t = x_t.astype(jnp.float32)
+    t = jnp.reshape(t, (b,)).astype(jnp.float32)
+    context = cond['text']
+    first = cond.get('first_frame')
+    if first is None:
+      num_cond = jnp.zeros((b,), jnp.int32)
+      gt = jnp.zeros_like(x_t)
+    else:
+      num_cond = jnp.reshape(cond['num_cond'], (b,)).astype(jnp.int32)
+      gt = jnp.zeros_like(x_t).at[:, :, :first.shape[2]].set(first.astype(jnp.float32))
+    x_in, mask = cosmos_dit.frame_replace(x_t, gt, num_cond)       # mask (B, 1, T, H, W)
+    frame_on = mask[:, 0, :, 0, 0]                                  # (B, T)
+    timesteps = jnp.where(frame_on > 0, jnp.float32(cond_timestep), t[:, None])
+    v = model(x_in, timesteps, context, cond_mask=mask).astype(jnp.float32)
+    tb = t.reshape((b, 1, 1, 1, 1))
+    v_cond = (x_t - gt) / tb
+    return jnp.where(mask > 0, v_cond, v)
+
+  return apply_fn
+
+
+class CosmosVideo:
+  """T2V / I2V video task for the trainer (see the module docstring)."""
+
+  def __init__(self, config):
+    self.config = config
+    c = self.c = config.cosmos
+    self.dit = dit_config(c)
+    self.vae_cfg = vae_config(c)
+    lt, lh, lw = c.latent_shape
+    self.sample_shape = (self.dit.in_channels, lt, lh, lw)
+    tf, sf = self.vae_cfg.temporal_factor, self.vae_cfg.spatial_factor
+    self.video_shape = (3, 1 + tf * (lt - 1), sf * lh, sf * lw)
+    if self.vae_cfg.z_dim != self.dit.in_channels:
+      raise ValueError(f'config.cosmos: VAE z_dim {self.vae_cfg.z_dim} != DiT in_channels '
+                       f'{self.dit.in_channels}')
+    self.text_dim = self.dit.crossattn_in or self.dit.context_dim
+    self._vae = None
+    self._latents = None
+    self._text = None
+    self.cond_log = []           # host copies of num_cond per conditions() call (T2V/I2V bookkeeping)
+    self.i2v_frame0_err = []     # max |x0[frame 0] - gt| over I2V rollouts, per reward() call
+
+  # ----------------------------------------------------------------------------------- model
+  def _build_model(self, key):
+    return cosmos_dit.CosmosDiT(self.dit, rngs=nnx.Rngs(key))
+
+  def init_model(self, key):
+    """(apply_fn, params): random init, or converted weights when config.cosmos.checkpoint is set."""
+    model = self._build_model(key)
+    if self.c.checkpoint:
+      from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
+      loaded = convert.load_converted(self.c.checkpoint, model)
+      if isinstance(loaded, nnx.Module):
+        model = loaded
+      elif loaded is not None:
+        nnx.update(model, loaded)
+    graphdef, params = nnx.split(model)
+    return make_apply_fn(graphdef, self.c.cond_timestep), params
+
+  def abstract_params(self, key):
+    model = nnx.eval_shape(lambda: self._build_model(key))
+    graphdef, params = nnx.split(model)
+    return make_apply_fn(graphdef, self.c.cond_timestep), params
+
+  # ------------------------------------------------------------------------- VAE and dataset
+  def _vae_fns(self):
+    if self._vae is None:
+      vae = wan_vae.WanVAE(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
+      if self.c.vae_checkpoint:
+        from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
+        loaded = convert.load_converted(self.c.vae_checkpoint, vae)
+        if isinstance(loaded, nnx.Module):
+          vae = loaded
+        elif loaded is not None:
+          nnx.update(vae, loaded)
+      graphdef, state = nnx.split(vae)
+
+      @jax.jit
+      def encode(s, video):
+        m = nnx.merge(graphdef, s)
+        return m.normalize_latents(m.encode(video))
+
+      @jax.jit
+      def decode_u8(s, z):
+        m = nnx.merge(graphdef, s)
+        z = z.astype(jnp.float32)
+        video = m.decode(m.denormalize_latents(jnp.nan_to_num(z)))
+        finite = jnp.isfinite(z).reshape(z.shape[0], -1).all(-1) & \
+            jnp.isfinite(video).reshape(video.shape[0], -1).all(-1)
+        u8 = jnp.round((jnp.nan_to_num(video) + 1.0) * 127.5).clip(0, 255).astype(jnp.uint8)
+        return u8, finite
+
+      self._vae = (state, encode, decode_u8)
+    return self._vae
+
+  def dataset_latents(self):
+    """(num_videos, 16, T, H, W) float32 normalized latents of the synthetic videos (host, cached)."""
+    if self._latents is None:
+      if self.c.data != 'synthetic':
+        raise ValueError(f'config.cosmos.data={self.c.data!r}: only synthetic is implemented')
+      state, encode, _ = self._vae_fns()
+      _, f, h, w = self.video_shape
+      out = []
+      for start in range(0, self.c.num_videos, self.c.vae_batch):
+        items = range(start, min(start + self.c.vae_batch, self.c.num_videos))
+        videos = np.stack([render_square_video(i, f, h, w) for i in items])
+        out.append(np.asarray(encode(state, jnp.asarray(videos)), np.float32))
+      self._latents = np.concatenate(out)
+      if self._latents.shape[1:] != self.sample_shape:
+        raise ValueError(f'VAE latents {self._latents.shape[1:]} != sample shape {self.sample_shape}')
+    return self._latents
+
+  def prompt_embeddings(self):
+    """(len(PROMPTS), L, C) frozen byte embeddings of the built-in prompts (host, cached)."""
+    if self._text is None:
+      if self.c.text != 'bytes':
+        raise ValueError(f'config.cosmos.text={self.c.text!r}: only bytes is implemented')
+      ids, _ = text_lib.encode_bytes([p for p, _, _ in PROMPTS], self.c.text_length)
+      emb = text_lib.ByteEmbedding(self.text_dim, self.c.text_length, rngs=nnx.Rngs(self.c.text_seed))
+      self._text = np.asarray(jax.jit(lambda i: emb(i))(jnp.asarray(ids)), np.float32)
+    return self._text
+
+  # ----------------------------------------------------------------------------------- task API
+  def conditions(self, key, batch):
+    k_item, k_mode = jax.random.split(key)
+    latents = self.dataset_latents()
+    index = np.asarray(jax.random.randint(k_item, (batch,), 0, self.c.num_videos), np.int32)
+    num_cond = np.asarray(jax.random.bernoulli(k_mode, self.c.i2v_prob, (batch,)), np.int32)
+    self.cond_log.append(num_cond.copy())
+    text = self.prompt_embeddings()[index % len(PROMPTS)]
+    first = latents[index][:, :, :1]
+    return dict(text=jnp.asarray(text), first_frame=jnp.asarray(first),
+                num_cond=jnp.asarray(num_cond), index=jnp.asarray(index))
+
+  def data(self, key, cond):
+    """(B, 16, T, H, W) clean latents of each condition's paired video."""
+    del key
+    return jnp.asarray(self.dataset_latents()[np.asarray(cond['index'])])
+
+  def decode_reward(self, latents):
+    """(M, 16, T, H, W) latents -> (M,) temporal-smoothness rewards (NaN where not finite)."""
+    state, _, decode_u8 = self._vae_fns()
+    latents = np.asarray(latents, np.float32)
+    out = np.empty((latents.shape[0],), np.float32)
+    step = self.c.vae_batch
+    for s in range(0, latents.shape[0], step):
+      u8, finite = decode_u8(state, jnp.asarray(latents[s:s + step]))
+      r = temporal_smoothness(np.asarray(u8))
+      out[s:s + step] = np.where(np.asarray(finite), r, np.nan)
+    return out
+
+  def reward(self, samples, cond):
+    """(B, N, 16, T, H, W) final latents -> (B, N) rewards (host numpy)."""
+    samples = np.asarray(samples, np.float32)
+    b, n = samples.shape[:2]
+    num_cond = np.asarray(cond['num_cond'])
+    if num_cond.any():
+      gt = np.asarray(cond['first_frame'])[num_cond > 0][:, None]
+      self.i2v_frame0_err.append(float(np.abs(samples[num_cond > 0][:, :, :, :1] - gt).max()))
+    return self.decode_reward(samples.reshape((b * n,) + samples.shape[2:])).reshape(b, n)
+
+  def evaluate(self, samples, key):
+    del key
+    samples = np.asarray(samples, np.float32)
+    r = self.decode_reward(samples)
+    ok = np.isfinite(r)
+    return dict(reward=float(r[ok].mean()) if ok.any() else float('nan'),
+                finite_fraction=float(ok.mean()),
+                latent_std=float(np.nanstd(samples)))
+
+
+TASK = CosmosVideo

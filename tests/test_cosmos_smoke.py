@@ -1,0 +1,150 @@
+"""The Cosmos video task end to end at toy size, the I2V frame replacement, and the full DDRL configs."""
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import cosmos14b
+from configs import cosmos2b
+from ddrl_jax import config as config_lib
+from ddrl_jax import trainer as trainer_lib
+from ddrl_jax.parallel import mesh as mesh_lib
+from ddrl_jax.sampling import transitions
+from ddrl_jax.tasks import video
+
+
+@pytest.fixture(scope='module')
+def smoke_task():
+  task = video.CosmosVideo(cosmos2b.get_config('smoke'))
+  apply_fn, params = task.init_model(jax.random.key(0))
+  return task, apply_fn, params
+
+
+# ------------------------------------------------------------------------------------------ smoke run
+def test_smoke_trains_t2v_and_i2v(tmp_path):
+  config = cosmos2b.get_config('smoke')
+  assert config.task == 'video' and config.num_iterations == 2
+  trainer = trainer_lib.Trainer(config, tmp_path)
+  last = trainer.train(progress=False)
+  assert last, 'no training step ran'
+
+  lines = [json.loads(l) for l in open(os.path.join(tmp_path, 'metrics.jsonl'))]
+  train = [l for l in lines if 'loss' in l]
+  assert [l['step'] for l in train] == [1, 2]
+  for l in train:
+    for k in ('loss', 'data_loss', 'reward_mean', 'pg_loss'):
+      assert math.isfinite(l[k]), (k, l)
+    assert l['failed_rewards'] == 0
+    assert -1.0 <= l['reward_mean'] <= 0.0       # temporal smoothness of a uint8 video
+  assert trainer.ckpt.latest_step() == 2
+  assert os.path.isdir(os.path.join(tmp_path, 'checkpoints', '2'))
+
+  # Both modes occurred among the 2 x 8 training groups, and every I2V rollout ended on the GT frame.
+  modes = np.concatenate(trainer.task.cond_log[:2])
+  assert modes.shape == (16,) and set(modes.tolist()) == {0, 1}
+  assert len(trainer.task.i2v_frame0_err) >= 1
+  assert max(trainer.task.i2v_frame0_err) < 1e-5
+
+
+# ------------------------------------------------------------------------------------ frame replace
+def test_i2v_x0_prediction_equals_gt(smoke_task):
+  task, apply_fn, params = smoke_task
+  rng = np.random.RandomState(0)
+  b = 4
+  latents = task.dataset_latents()
+  gt_video = jnp.asarray(latents[:b])
+  noise = jnp.asarray(rng.randn(*gt_video.shape).astype(np.float32))
+  t = jnp.asarray([0.9, 0.5, 0.1, 0.0099], jnp.float32)
+  tb = t.reshape(-1, 1, 1, 1, 1)
+  # A state whose frame 0 is *not* on the GT path (as after churn): replacement must not rely on it.
+  x_t = (1 - tb) * gt_video + tb * noise + 0.3 * jnp.asarray(rng.randn(*gt_video.shape), jnp.float32)
+  text = jnp.asarray(task.prompt_embeddings()[:b])
+  cond = dict(text=text, first_frame=gt_video[:, :, :1], num_cond=jnp.asarray([1, 1, 1, 0]),
+              index=jnp.arange(b))
+  v = jax.jit(apply_fn)(params, x_t, t, cond)
+  x0_hat = x_t - tb * v
+  np.testing.assert_allclose(x0_hat[:3, :, :1], gt_video[:3, :, :1], rtol=0, atol=2e-6)
+  assert float(jnp.abs(x0_hat[3, :, :1] - gt_video[3, :, :1]).max()) > 1e-2   # T2V: no replacement
+  assert float(jnp.abs(x0_hat[:3, :, 1:] - gt_video[:3, :, 1:]).max()) > 1e-2  # only frame 0
+
+  # The sampler's form: x0 = (1 - t) x_sigma - t v with the net input (1 - t) x_sigma.
+  x_sigma = x_t / (1 - tb)
+  v2 = jax.jit(apply_fn)(params, (1 - tb) * x_sigma, t, cond)
+  x0_sampler = transitions.cosmos_x0(x_sigma, v2, tb)
+  np.testing.assert_allclose(x0_sampler[:3, :, :1], gt_video[:3, :, :1], rtol=0, atol=2e-6)
+
+  # On the data path x_t = (1 - t) x0 + t eps the replaced velocity is cosmos' eps - gt (zero loss).
+  on_path = (1 - tb) * gt_video + tb * noise
+  v3 = jax.jit(apply_fn)(params, on_path, t, cond)
+  np.testing.assert_allclose(v3[:3, :, :1], (noise - gt_video)[:3, :, :1], rtol=1e-5, atol=1e-4)
+
+  # Text dropout (zeroed 'text') keeps the frame condition.
+  v4 = jax.jit(apply_fn)(params, x_t, t, dict(cond, text=jnp.zeros_like(text)))
+  np.testing.assert_allclose((x_t - tb * v4)[:3, :, :1], gt_video[:3, :, :1], rtol=0, atol=2e-6)
+
+
+def test_task_shapes_and_restore_structure(smoke_task):
+  task, _, params = smoke_task
+  assert task.sample_shape == (16, 2, 4, 4)
+  assert task.video_shape == (3, 5, 32, 32)
+  cond = task.conditions(jax.random.key(1), 8)
+  assert cond['text'].shape == (8, 16, task.text_dim)
+  assert cond['first_frame'].shape == (8, 16, 1, 4, 4)
+  x0 = task.data(jax.random.key(2), cond)
+  assert x0.shape == (8,) + task.sample_shape
+  np.testing.assert_array_equal(x0[:, :, :1], cond['first_frame'])   # data and I2V frame are paired
+  _, abstract = task.abstract_params(jax.random.key(0))
+  assert jax.tree.structure(abstract) == jax.tree.structure(params)
+  assert [a.shape for a in jax.tree.leaves(abstract)] == [p.shape for p in jax.tree.leaves(params)]
+  r = task.reward(np.stack([np.asarray(x0), np.full_like(np.asarray(x0), np.nan)], axis=1), cond)
+  assert r.shape == (8, 2) and np.isfinite(r[:, 0]).all() and np.isnan(r[:, 1]).all()
+
+
+# -------------------------------------------------------------------------------------- full configs
+@pytest.mark.parametrize('module,lr,devices,mesh,dit', [
+    (cosmos2b, 1e-5, 256, (16, 8, 2, 1), (2048, 28, 16)),
+    (cosmos14b, 3e-6, 1024, (4, 32, 8, 1), (5120, 36, 40)),
+])
+def test_full_config_recipe(module, lr, devices, mesh, dit):
+  c = module.get_config()
+  assert c.algorithm == 'ddrl' and c.task == 'video'
+  assert (c.batch_size, c.num_rollouts) == (16, 8)
+  assert config_lib.sampler_kind(c) == 'cosmos_2ab'
+  s = c.sampler
+  assert (s.num_steps, s.sigma_min, s.sigma_max, s.rho, s.s_churn) == (20, 0.01, 200.0, 7.0, 1.0)
+  assert config_lib.train_steps(c) == tuple(range(0, 19, 2))
+  rl = c.rl
+  assert (rl.data_beta, rl.kl_beta, rl.clip_range, rl.loss_scale) == (0.01, 0.0, 1e-4, 10.0)
+  assert (rl.cond_dropout, rl.data_noise, rl.data_loss_steps, rl.log_ratio) == (0.2, 'rollout', 'full',
+                                                                               'cosmos')
+  o = c.optim
+  assert (o.learning_rate, o.b1, o.b2, o.weight_decay, o.eps) == (lr, 0.9, 0.99, 1e-4, 1e-8)
+  assert (o.warmup_steps, o.warmup_init_factor, o.grad_clip, o.ema_power_s) == (50, 1e-6, 1.0, 0.1)
+  assert mesh_lib.mesh_shape(c.mesh, devices) == mesh
+  cc = c.cosmos
+  assert (cc.i2v_prob, cc.cond_timestep, cc.dtype, cc.param_dtype) == (0.5, 1e-4, 'bfloat16', 'float32')
+  task = video.CosmosVideo(c)        # lazy: builds no VAE, data or model
+  assert task.sample_shape == (16, 24, 90, 160)
+  assert task.video_shape == (3, 93, 720, 1280)
+  assert (task.dit.model_channels, task.dit.num_blocks, task.dit.num_heads) == dit
+  assert task.dit.dtype == jnp.bfloat16 and task.dit.param_dtype == jnp.float32
+
+
+@pytest.mark.xfail(raises=config_lib.ConfigError, strict=True,
+                   reason='known gap: the trainer shards the B=16 groups over data*fsdp=128, while '
+                          'cosmos-rl puts one rollout (B*N=128) per data-parallel instance; rollouts must '
+                          'be sharded on the flattened B*N axis first. Strict: remove once that lands.')
+@pytest.mark.parametrize('module,devices', [(cosmos2b, 256), (cosmos14b, 1024)])
+def test_full_config_validates(module, devices):
+  assert config_lib.validate(module.get_config(), devices) == mesh_lib.mesh_shape(
+      module.get_config().mesh, devices)
+
+
+def test_smoke_config_validates_on_test_devices():
+  c = cosmos2b.get_config('smoke')
+  config_lib.validate(c, len(jax.devices()))
+  config_lib.validate(cosmos14b.get_config('smoke'), len(jax.devices()))
