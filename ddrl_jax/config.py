@@ -83,6 +83,8 @@ def validate(config, num_devices):
   except ValueError as e:
     raise ConfigError(str(e)) from None
   dp = shape[mesh_lib.AXES.index('data')] * shape[mesh_lib.AXES.index('fsdp')]
-  _check(config.batch_size % dp == 0, 'batch_size', config.batch_size,
-         f'not divisible by the data-parallel mesh size data*fsdp = {dp}')
+  slots = config.batch_size * config.num_rollouts
+  _check(slots % dp == 0, 'batch_size', config.batch_size,
+         f'batch_size * num_rollouts = {slots} rollouts are not divisible by the data-parallel mesh '
+         f'size data*fsdp = {dp} (one rollout slot per data-parallel position)')
   return shape

@@ -32,13 +32,34 @@ class TrainState(NamedTuple):
 
 
 class RolloutBatch(NamedTuple):
-  traj: sampling.Trajectory   # (B, N, ...)
-  rewards: Any                # (B, N) float32, NaN = failed sample
-  cond: Any                   # pytree of (B, ...)
+  """Rollouts as the trainer shards them: one rollout per slot, B*N slots over (data, fsdp).
+
+  cosmos-rl runs one rollout per data-parallel instance (16 groups x 8 = 128 instances), so the slot
+  axis, not the group axis, is what must divide the mesh. Slot b*N + n is rollout n of group b.
+  """
+  traj: sampling.Trajectory   # (B*N, 1, ...)
+  rewards: Any                # (B*N,) float32, NaN/Inf = failed sample
+  cond: Any                   # pytree of (B*N, ...): each group's condition repeated N times
+
+
+def flat_rollout_batch(traj, rewards, cond):
+  """A `RolloutBatch` from group-layout rollouts: traj (B, N, ...), rewards (B, N), cond (B, ...)."""
+  b, n = rewards.shape
+  flat = lambda a: a.reshape((b * n, 1) + a.shape[2:])
+  return RolloutBatch(traj=jax.tree.map(flat, traj), rewards=jnp.reshape(rewards, (b * n,)),
+                      cond=rl_lib.repeat_groups(cond, n))
+
+
+def group_rollout_batch(rollout, n):
+  """Inverse of `flat_rollout_batch`: (traj (B, N, ...), rewards (B, N), cond (B, ...))."""
+  group = lambda a: a.reshape((a.shape[0] // n, n) + a.shape[2:])
+  cond = jax.tree.map(lambda a: a.reshape((a.shape[0] // n, n) + a.shape[1:])[:, 0], rollout.cond)
+  return jax.tree.map(group, rollout.traj), rollout.rewards.reshape(-1, n), cond
 
 
 class DataBatch(NamedTuple):
-  x0: Any                     # (B, *S) clean data paired with the conditions
+  """Clean data paired with the B group conditions (replicated: B need not divide the mesh)."""
+  x0: Any                     # (B, *S)
   cond: Any                   # pytree of (B, ...)
 
 
@@ -82,8 +103,9 @@ def make_train_step(apply_fn, sampler, config, optimizer):
 
   def train_step(state, rollout, data, key):
     k_steps, k_loss = jax.random.split(key)
-    b, n = rollout.rewards.shape
-    advantages = compute_advantages(rollout.rewards, rl)
+    traj, rewards, cond = group_rollout_batch(rollout, config.num_rollouts)
+    b, n = rewards.shape
+    advantages = compute_advantages(rewards, rl)
     steps = algo.select_steps(k_steps, b, n, pool, rl.train_fraction)
     data_term = None
     if use_data:
@@ -92,8 +114,8 @@ def make_train_step(apply_fn, sampler, config, optimizer):
                                   cond_dropout=rl.cond_dropout, weighting=rl.data_weighting)
 
     def loss_fn(params):
-      return algo.loss(apply_fn, params, state.ref_params, sampler, rollout.traj, advantages, steps,
-                       rollout.cond, data_term, k_loss, rl)
+      return algo.loss(apply_fn, params, state.ref_params, sampler, traj, advantages, steps, cond,
+                       data_term, k_loss, rl)
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     grads, nonfinite = optim.zero_nonfinite(grads)
@@ -104,13 +126,13 @@ def make_train_step(apply_fn, sampler, config, optimizer):
       beta = optim.power_ema_beta(state.step, gamma)
       ema = optim.ema_update(ema, params, beta)
       metrics['ema_beta'] = beta
-    failed = ~jnp.isfinite(rollout.rewards)   # NaN/Inf = failed sample (advantage 0, counted)
-    valid_rewards = jnp.where(failed, 0.0, rollout.rewards)
+    failed = ~jnp.isfinite(rewards)   # NaN/Inf = failed sample (advantage 0, counted)
+    valid_rewards = jnp.where(failed, 0.0, rewards)
     metrics.update(
         reward_mean=valid_rewards.sum() / jnp.maximum((~failed).sum(), 1),
         failed_rewards=failed.sum(), adv_mean=advantages.mean(), adv_abs_mean=jnp.abs(advantages).mean(),
         grad_norm=optax.tree.norm(grads), nonfinite_grads=nonfinite,
-        learning_rate=lr_schedule(state.step), nfe_rollout=rollout.traj.nfe.mean())
+        learning_rate=lr_schedule(state.step), nfe_rollout=traj.nfe.mean())
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema,
                            ref_params=state.ref_params)
     return new_state, metrics
@@ -119,9 +141,9 @@ def make_train_step(apply_fn, sampler, config, optimizer):
 
 
 def jit_train_step(train_step, mesh):
-  """jit with the mesh's shardings: state replicated, batches split on B over (data, fsdp)."""
+  """jit with the mesh's shardings: state and data replicated, rollouts split on B*N over (data, fsdp)."""
   rep, batch = parallel.replicated(mesh), parallel.batch_sharding(mesh)
-  return jax.jit(train_step, in_shardings=(rep, batch, batch, rep), out_shardings=(rep, rep),
+  return jax.jit(train_step, in_shardings=(rep, batch, rep, rep), out_shardings=(rep, rep),
                  donate_argnums=(0,))
 
 
@@ -184,13 +206,12 @@ class Trainer:
     batch = parallel.batch_sharding(self.mesh)
     rep = parallel.replicated(self.mesh)
     sampler, apply_fn, shape = self.sampler, self.apply_fn, self.task.sample_shape
+    # Rollouts take slot conditions (B*N, ...) and make one rollout per slot.
     self._rollout = jax.jit(
-        lambda p, cond, k: sampler.rollout(apply_fn, p, cond, k, num_rollouts=c.num_rollouts,
-                                           sample_shape=shape),
+        lambda p, cond, k: sampler.rollout(apply_fn, p, cond, k, num_rollouts=1, sample_shape=shape),
         in_shardings=(rep, batch, rep), out_shardings=batch)
     self._sample = jax.jit(
-        lambda p, cond, k: sampler.sample(apply_fn, p, cond, k, num_rollouts=c.num_rollouts,
-                                          sample_shape=shape),
+        lambda p, cond, k: sampler.sample(apply_fn, p, cond, k, num_rollouts=1, sample_shape=shape),
         in_shardings=(rep, batch, rep), out_shardings=batch)
     self._train_step = jit_train_step(
         make_train_step(apply_fn, sampler, c, self.optimizer), self.mesh)
@@ -201,26 +222,32 @@ class Trainer:
 
   def collect(self, it):
     """Rollouts, rewards and paired data of iteration `it` (the inputs of one train step)."""
+    c = self.config
     k_cond, k_roll, k_data, _ = self.iteration_keys(it)
     batch = parallel.batch_sharding(self.mesh)
-    cond = jax.device_put(self.task.conditions(k_cond, self.config.batch_size), batch)
+    cond = self.task.conditions(k_cond, c.batch_size)
+    slots = jax.device_put(rl_lib.repeat_groups(cond, c.num_rollouts), batch)
     t0 = time.perf_counter()
-    traj = jax.block_until_ready(self._rollout(self.state.params, cond, k_roll))
+    traj = jax.block_until_ready(self._rollout(self.state.params, slots, k_roll))
     t1 = time.perf_counter()
-    rewards = np.asarray(self.task.reward(np.asarray(traj.x0), cond), np.float32)
-    if rewards.shape != traj.x0.shape[:2]:
-      raise ValueError(f'task reward returned shape {rewards.shape}, expected {traj.x0.shape[:2]}')
+    samples = np.asarray(traj.x0).reshape((c.batch_size, c.num_rollouts) + traj.x0.shape[2:])
+    rewards = np.asarray(self.task.reward(samples, cond), np.float32)
+    if rewards.shape != samples.shape[:2]:
+      raise ValueError(f'task reward returned shape {rewards.shape}, expected {samples.shape[:2]}')
     t2 = time.perf_counter()
     data = DataBatch(x0=self.task.data(k_data, cond), cond=cond)
-    rollout = RolloutBatch(traj=traj, rewards=jax.device_put(rewards, batch), cond=cond)
-    return rollout, jax.device_put(data, batch), dict(time_rollout=t1 - t0, time_reward=t2 - t1)
+    rollout = RolloutBatch(traj=traj, rewards=jax.device_put(rewards.reshape(-1), batch), cond=slots)
+    data = jax.device_put(data, parallel.replicated(self.mesh))
+    return rollout, data, dict(time_rollout=t1 - t0, time_reward=t2 - t1)
 
   def evaluate(self, it):
     c = self.config
     dp = parallel.data_parallel_size(self.mesh)
-    groups = max(dp, c.eval_samples // c.num_rollouts // dp * dp)
+    slots = max(dp, c.eval_samples // dp * dp)
+    groups = slots // c.num_rollouts if slots % c.num_rollouts == 0 else slots
     key = jax.random.fold_in(jax.random.fold_in(self.rng, 0xE7A1), it)
-    cond = jax.device_put(self.task.conditions(key, groups), parallel.batch_sharding(self.mesh))
+    cond = rl_lib.repeat_groups(self.task.conditions(key, groups), slots // groups)
+    cond = jax.device_put(cond, parallel.batch_sharding(self.mesh))
     out = {}
     for name, params in (('eval', self.state.params), ('eval_ema', self.state.ema_params)):
       if params is None:

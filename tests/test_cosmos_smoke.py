@@ -134,10 +134,6 @@ def test_full_config_recipe(module, lr, devices, mesh, dit):
   assert task.dit.dtype == jnp.bfloat16 and task.dit.param_dtype == jnp.float32
 
 
-@pytest.mark.xfail(raises=config_lib.ConfigError, strict=True,
-                   reason='known gap: the trainer shards the B=16 groups over data*fsdp=128, while '
-                          'cosmos-rl puts one rollout (B*N=128) per data-parallel instance; rollouts must '
-                          'be sharded on the flattened B*N axis first. Strict: remove once that lands.')
 @pytest.mark.parametrize('module,devices', [(cosmos2b, 256), (cosmos14b, 1024)])
 def test_full_config_validates(module, devices):
   assert config_lib.validate(module.get_config(), devices) == mesh_lib.mesh_shape(

@@ -48,7 +48,7 @@ def small_config(preset='ddrl', **overrides):
     ('rl.train_steps', (0, 2, 6), 'config.rl.train_steps'),
     ('rl.train_steps', (-1,), 'config.rl.train_steps'),
     ('rl.train_steps', (5,), 'config.rl.train_steps'),   # cosmos_2ab's deterministic last step
-    ('batch_size', 12, 'config.batch_size'),           # 12 groups over 8 data-parallel devices
+    ('batch_size', 3, 'config.batch_size'),            # 3 x 4 rollouts over 8 data-parallel slots
     ('algorithm', 'ppo', 'config.algorithm'),
     ('rl.kl_beta', 0.1, 'config.rl.kl_beta'),           # DDRL holds no reference model
     ('sampler.kind', 'euler', 'config.sampler.kind'),
@@ -110,15 +110,18 @@ def _batch_for(config, seed=0):
                          sample_shape=task.sample_shape)
   rewards = np.asarray(task.reward(np.asarray(traj.x0), cond))
   rewards[0, 1] = np.nan   # one failed sample
-  rollout = trainer_lib.RolloutBatch(traj=traj, rewards=jnp.asarray(rewards), cond=cond)
   data = trainer_lib.DataBatch(x0=task.data(jax.random.key(seed + 2), cond), cond=cond)
-  return apply_fn, params, sampler, rollout, data
+  return apply_fn, params, sampler, (traj, jnp.asarray(rewards), cond), data
 
 
 @pytest.mark.parametrize('preset', ['ddrl', 'flow_grpo'])
 def test_sharded_step_equals_single_device(preset):
   config = small_config(preset)
-  apply_fn, params, sampler, rollout, data = _batch_for(config)
+  apply_fn, params, sampler, (traj, rewards, cond), data = _batch_for(config)
+  rollout = trainer_lib.RolloutBatch(traj=traj, rewards=rewards, cond=cond)   # group layout
+  flat = trainer_lib.flat_rollout_batch(traj, rewards, cond)                  # the trainer's layout
+  chex.assert_trees_all_equal(trainer_lib.group_rollout_batch(flat, config.num_rollouts),
+                              (traj, rewards, cond))
   optimizer = optim.make_optimizer(config.optim)
   algo = algorithms.get_algorithm(config.algorithm)
   step_fn = trainer_lib.make_train_step(apply_fn, sampler, config, optimizer)
@@ -145,9 +148,9 @@ def test_sharded_step_equals_single_device(preset):
     state = trainer_lib.init_train_state(jax.tree.map(jnp.copy, params), config, optimizer)
     state = jax.device_put(state, rep)
     new_state, step_metrics = trainer_lib.jit_train_step(step_fn, mesh)(
-        state, put(rollout, batch), put(data, batch), key)
+        state, put(flat, batch), put(data, rep), key)
     if n == 8:
-      assert len(put(rollout, batch).traj.x_in.sharding.device_set) == 8
+      assert len(put(flat, batch).traj.x_in.sharding.device_set) == 8
     results[n] = jax.device_get((loss, grads, new_state.params, step_metrics))
   (l1, g1, p1, m1), (l8, g8, p8, m8) = results[1], results[8]
   np.testing.assert_allclose(l1, l8, rtol=1e-5, atol=1e-7)

@@ -10,6 +10,7 @@ from ddrl_jax.rl.algorithms import ddpo_loss
 from ddrl_jax.rl.algorithms import ddrl_loss
 from ddrl_jax.rl.algorithms import flow_grpo_loss
 from ddrl_jax.rl.algorithms import get_algorithm
+from ddrl_jax.rl.algorithms import repeat_groups
 from ddrl_jax.rl.algorithms import rl_loss
 from ddrl_jax.rl.diffusion_loss import cosmos_loss_weight
 from ddrl_jax.rl.diffusion_loss import drop_condition

@@ -53,8 +53,8 @@ class DataTerm:
                        f'got {self.weighting!r}')
 
 
-def _repeat_groups(tree, n):
-  """(B, ...) -> (B * N, ...), each group's entry repeated N times."""
+def repeat_groups(tree, n):
+  """(B, ...) -> (B * N, ...), each group's entry repeated N times (group-major)."""
   return jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), tree)
 
 
@@ -62,12 +62,12 @@ def _data_loss_at(apply_fn, params, sampler, inp, traj_noise, data, key):
   """Mean data loss over (B, N) at the noise levels of the step inputs `inp` ((B, N) scalars)."""
   b, n = inp.t_in.shape
   k_noise, k_drop = jax.random.split(key)
-  x0 = _repeat_groups(data.x0, n)
+  x0 = repeat_groups(data.x0, n)
   if data.noise == 'rollout':
     noise = traj_noise.reshape(x0.shape)
   else:
     noise = jax.random.normal(k_noise, x0.shape, x0.dtype)
-  cond = diffusion_loss.drop_condition(_repeat_groups(data.cond, n), k_drop, data.cond_dropout)
+  cond = diffusion_loss.drop_condition(repeat_groups(data.cond, n), k_drop, data.cond_dropout)
   if data.weighting == 'cosmos':
     weight = None
   elif data.weighting == 'path_kl':
