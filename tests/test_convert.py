@@ -10,6 +10,7 @@ import subprocess
 import sys
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,3 +284,20 @@ def test_wan_original_pth(wan_torch, tmp_path):
   want = wan_vae_convert.convert_diffusers_vae_state_dict(
       {new: sd[orig].float().numpy() for new, orig in rename.items()}, WAN)
   _assert_states_equal(cv.load_converted(tmp_path / 'out', 'wan_tiny'), want)
+
+
+def test_converted_checkpoint_starts_the_video_task(cosmos_torch, tmp_path):
+  """convert -> orbax dir -> config.cosmos.checkpoint -> the task's initial params are the converted ones."""
+  from configs import cosmos2b
+  from ddrl_jax.tasks import video
+  cosmos_torch.save_pretrained(tmp_path / 'transformer')
+  cv.convert(tmp_path / 'transformer', 'cosmos_tiny', tmp_path / 'out')
+  config = cosmos2b.get_config('smoke')
+  config.cosmos.checkpoint = str(tmp_path / 'out')
+  _, params = video.CosmosVideo(config).init_model(jax.random.key(0))
+  want = cv.load_converted(tmp_path / 'out')
+  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.filter_state(params, nnx.Param)), nnx.to_pure_dict(want))
+  # A checkpoint of another size is refused with the key named.
+  config.cosmos.dit_overrides = {'num_blocks': 3}
+  with pytest.raises(ValueError, match='config.cosmos.checkpoint'):
+    video.CosmosVideo(config).init_model(jax.random.key(0))

@@ -83,6 +83,30 @@ def vae_config(c):
   return presets[c.vae](**kw)
 
 
+def restore_converted(module, ckpt_dir, key):
+  """Loads `python -m ddrl_jax.models.convert` output into `module`'s Params, in place.
+
+  Raises ValueError naming the config key when the converted model's parameter shapes differ from the
+  configured module's (e.g. a cosmos14b checkpoint for a cosmos2b config).
+  """
+  from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
+  loaded = convert.load_converted(ckpt_dir)
+  shapes = lambda st: jax.tree.map(lambda a: tuple(a.shape), nnx.to_pure_dict(st))
+  want, got = shapes(nnx.state(module, nnx.Param)), shapes(loaded)
+  if want != got:
+    raise ValueError(f'{key}={ckpt_dir!r}: converted parameters do not match the configured model '
+                     f'(first differences: {_first_differences(want, got)})')
+  nnx.update(module, jax.tree.map(lambda v, a: jnp.asarray(a, v.dtype),
+                                  nnx.state(module, nnx.Param), loaded))
+
+
+def _first_differences(want, got, limit=5):
+  flat = lambda t: {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+  w, g = flat(want), flat(got)
+  diffs = [f'{k}: {w.get(k)} vs {g.get(k)}' for k in sorted(set(w) | set(g)) if w.get(k) != g.get(k)]
+  return '; '.join(diffs[:limit]) + (f' (+{len(diffs) - limit} more)' if len(diffs) > limit else '')
+
+
 def render_square_video(item, frames, height, width):
   """(3, frames, height, width) float32 video in [-1, 1]: prompt item % len(PROMPTS)'s square.
 
@@ -174,12 +198,7 @@ class CosmosVideo:
     """(apply_fn, params): random init, or converted weights when config.cosmos.checkpoint is set."""
     model = self._build_model(key)
     if self.c.checkpoint:
-      from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
-      loaded = convert.load_converted(self.c.checkpoint, model)
-      if isinstance(loaded, nnx.Module):
-        model = loaded
-      elif loaded is not None:
-        nnx.update(model, loaded)
+      restore_converted(model, self.c.checkpoint, 'config.cosmos.checkpoint')
     graphdef, params = nnx.split(model)
     return make_apply_fn(graphdef, self.c.cond_timestep), params
 
@@ -193,12 +212,7 @@ class CosmosVideo:
     if self._vae is None:
       vae = wan_vae.WanVAE(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
       if self.c.vae_checkpoint:
-        from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
-        loaded = convert.load_converted(self.c.vae_checkpoint, vae)
-        if isinstance(loaded, nnx.Module):
-          vae = loaded
-        elif loaded is not None:
-          nnx.update(vae, loaded)
+        restore_converted(vae, self.c.vae_checkpoint, 'config.cosmos.vae_checkpoint')
       graphdef, state = nnx.split(vae)
 
       @jax.jit
