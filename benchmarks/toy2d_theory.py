@@ -64,8 +64,7 @@ def _pretrained(task_key_data):
 
 def _policy_samples(trainer, params, num=2048):
   """(num, 2) samples of the policy (the rollout sampler) with fixed conditions and key."""
-  groups = num // trainer.config.num_rollouts
-  cond = trainer.task.conditions(None, groups)
+  cond = trainer.task.conditions(None, num)    # one rollout per slot, as the trainer samples
   return np.asarray(trainer._sample(params, cond, jax.random.key(2024))).reshape(-1, 2)
 
 
