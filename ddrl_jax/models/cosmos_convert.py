@@ -18,6 +18,7 @@ import re
 import numpy as np
 from flax import nnx
 
+from ddrl_jax.models import checked_state
 from ddrl_jax.models.cosmos_dit import CosmosDiT
 
 # (source-name regex, NNX path template, kind). kind: 'linear' (transpose), 'vector' (copy).
@@ -143,16 +144,8 @@ def _convert(state_dict, config, rules, drop=None):
         flat[path] = np.stack([have[i] for i in range(num_blocks)])
     elif path not in flat:
       missing.append('/'.join(path))
-  if missing or unexpected or misshaped:
-    raise ValueError('state dict does not match CosmosDiT(config):\n'
-                     f'  missing ({len(missing)}): {missing}\n'
-                     f'  unexpected ({len(unexpected)}): {unexpected}\n'
-                     f'  mis-shaped ({len(misshaped)}): {misshaped}')
-  state = nnx.state(abstract, nnx.Param)
-  for path, variable in nnx.to_flat_state(state):
-    key = tuple(str(p) for p in path)
-    variable.set_value(flat[key].astype(expected[key].dtype))
-  return state
+  return checked_state.fill_params(abstract, expected, flat, name='CosmosDiT(config)', missing=missing,
+                                   unexpected=unexpected, misshaped=misshaped)
 
 
 def convert_diffusers_state_dict(state_dict, config):

@@ -16,6 +16,7 @@ Usage:
 import numpy as np
 from flax import nnx
 
+from ddrl_jax.models import checked_state
 from ddrl_jax.models.wan_vae import WanVAE
 
 _RENAMES = (('.resample.1.', '.resample.'), ('.upsamplers.0.', '.upsampler.'))
@@ -72,16 +73,8 @@ def convert_diffusers_vae_state_dict(state_dict, config):
     flat[path] = arr
   missing = ['/'.join(p) for p in expected if p not in flat and
              not any(m.endswith('as ' + '/'.join(p)) for m in misshaped)]
-  if missing or unexpected or misshaped:
-    raise ValueError('state dict does not match WanVAE(config):\n'
-                     f'  missing ({len(missing)}): {missing}\n'
-                     f'  unexpected ({len(unexpected)}): {unexpected}\n'
-                     f'  mis-shaped ({len(misshaped)}): {misshaped}')
-  state = nnx.state(abstract, nnx.Param)
-  for path, variable in nnx.to_flat_state(state):
-    key = tuple(str(p) for p in path)
-    variable.set_value(flat[key].astype(expected[key].dtype))
-  return state
+  return checked_state.fill_params(abstract, expected, flat, name='WanVAE(config)', missing=missing,
+                                   unexpected=unexpected, misshaped=misshaped)
 
 
 def merge_params(config, state):
