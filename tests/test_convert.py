@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import cosmos_names  # tests/cosmos_names.py
 from flax import nnx
 
 torch = pytest.importorskip('torch')
@@ -84,26 +86,6 @@ def cosmos_torch():
   return model
 
 
-def _to_cosmos_name(key):
-  """diffusers name -> original `net.` name (as in test_cosmos_dit)."""
-  simple = {'patch_embed.proj.weight': 'x_embedder.proj.1.weight',
-            'time_embed.t_embedder.linear_1.weight': 't_embedder.1.linear_1.weight',
-            'time_embed.t_embedder.linear_2.weight': 't_embedder.1.linear_2.weight',
-            'time_embed.norm.weight': 't_embedding_norm.weight',
-            'norm_out.linear_1.weight': 'final_layer.adaln_modulation.1.weight',
-            'norm_out.linear_2.weight': 'final_layer.adaln_modulation.2.weight',
-            'proj_out.weight': 'final_layer.linear.weight'}
-  if key in simple:
-    return 'net.' + simple[key]
-  for a, b in [('transformer_blocks', 'blocks'), ('attn1', 'self_attn'), ('attn2', 'cross_attn'),
-               ('to_q', 'q_proj'), ('to_k', 'k_proj'), ('to_v', 'v_proj'), ('to_out.0', 'output_proj'),
-               ('norm_q', 'q_norm'), ('norm_k', 'k_norm'), ('ff.net.0.proj', 'mlp.layer1'),
-               ('ff.net.2', 'mlp.layer2'), ('norm1.linear_', 'adaln_modulation_self_attn.'),
-               ('norm2.linear_', 'adaln_modulation_cross_attn.'), ('norm3.linear_', 'adaln_modulation_mlp.')]:
-    key = key.replace(a, b)
-  return 'net.' + key
-
-
 def _nearest_resize(img, size, interpolation=None):
   return torch.nn.functional.interpolate(img, size=tuple(size), mode='nearest')
 
@@ -141,7 +123,7 @@ def test_cosmos_diffusers_folder(cosmos_torch, tmp_path, monkeypatch):
 
 def test_cosmos_original_pt_bf16(cosmos_torch, tmp_path):
   """Original `net.` names in bf16 + entries to drop -> CLI --dtype=bfloat16 -> equals the direct converter."""
-  sd = {_to_cosmos_name(k): v.detach().to(torch.bfloat16) for k, v in cosmos_torch.state_dict().items()}
+  sd = {cosmos_names.to_cosmos_name(k): v.detach().to(torch.bfloat16) for k, v in cosmos_torch.state_dict().items()}
   sd.update({'net.accum_iteration': torch.tensor(7), 'net.accum_video_sample_counter': torch.tensor(3),
              'net.pos_embedder.seq': torch.arange(4.0), 'net.pos_embedder.dim_spatial_range': torch.arange(8.0),
              'net.blocks.0.self_attn.q_proj._extra_state': torch.zeros(3, dtype=torch.uint8)})
