@@ -1,4 +1,24 @@
-"""Test helper: diffusers Cosmos-2.5 transformer names -> original Cosmos `net.` checkpoint names."""
+"""Test helpers for the diffusers Cosmos-2.5 transformer: random weights and original `net.` names."""
+import math
+
+import torch
+
+
+def randomize_cosmos_torch(model):
+  """Gives a diffusers CosmosTransformer3DModel O(1) random weights (matrices ~1/sqrt(fan-in), norm
+  scales near 1, small biases) and the original Cosmos qk-norm eps 1e-6 (diffusers defaults to 1e-5)."""
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if p.ndim == 2:
+        p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
+      elif name.endswith('bias'):
+        p.copy_(0.1 * torch.randn_like(p))
+      else:
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+  for m in model.modules():
+    if m.__class__.__name__ == 'RMSNorm' and hasattr(m, 'eps'):
+      m.eps = 1e-6
+  return model
 
 
 def to_cosmos_name(key):

@@ -59,18 +59,7 @@ def torch_model():
       patch_size=(1, 2, 2), rope_scale=(1.0, 3.0, 3.0), concat_padding_mask=True,
       extra_pos_embed_type=None, use_crossattn_projection=True, crossattn_proj_in_channels=CROSS_IN,
       encoder_hidden_states_channels=CTX).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if p.ndim == 2:
-        p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
-      elif name.endswith('bias'):
-        p.copy_(0.1 * torch.randn_like(p))
-      else:
-        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-  for m in model.modules():
-    if m.__class__.__name__ == 'RMSNorm' and hasattr(m, 'eps'):
-      m.eps = 1e-6
-  return model
+  return cosmos_names.randomize_cosmos_torch(model)
 
 
 @pytest.fixture(scope='module')
