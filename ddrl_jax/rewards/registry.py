@@ -1,0 +1,63 @@
+"""Rewards by name.
+
+A reward is a callable ``reward(samples, prompts) -> (M,) float`` built by a factory from keyword
+arguments:
+  samples: host numpy, (M, H, W, C) uint8 images, (M, F, H, W, C) uint8 videos, or raw float samples
+    for tasks without pixels (e.g. (M, 2) points of the toy task);
+  prompts: list of M condition strings (the rollout group's prompt, repeated per rollout);
+  returns: one score per sample; NaN marks a sample the reward could not score.
+
+Built-in names resolve lazily to ``module:factory`` so a process that never scores OCR never imports
+tesserocr. `register` adds a factory at run time; reward workers are separate processes, so a custom
+reward must live in a module listed in ``config.reward.imports`` (imported by every worker).
+"""
+import importlib
+
+BUILTIN = {
+    'ocr': 'ddrl_jax.rewards.ocr:OCRReward',
+    'linear': 'ddrl_jax.rewards.basic:LinearReward',
+    'temporal_smoothness': 'ddrl_jax.rewards.basic:TemporalSmoothness',
+    'mean_intensity': 'ddrl_jax.rewards.basic:MeanIntensity',
+    # Fault injection for the service's own tests and for checking a deployment (see debug.py).
+    'debug_sleep': 'ddrl_jax.rewards.debug:Sleep',
+    'debug_crash': 'ddrl_jax.rewards.debug:Crash',
+    'debug_garbage': 'ddrl_jax.rewards.debug:Garbage',
+    'debug_gate': 'ddrl_jax.rewards.debug:Gate',
+}
+
+_REGISTERED = {}
+
+
+def register(name):
+  """Decorator: ``@register('my_reward')`` on a factory (class or function) taking keyword arguments."""
+  def wrap(factory):
+    if name in BUILTIN or name in _REGISTERED:
+      raise ValueError(f'reward {name!r} is already registered')
+    _REGISTERED[name] = factory
+    return factory
+  return wrap
+
+
+def known_rewards():
+  return sorted(set(BUILTIN) | set(_REGISTERED))
+
+
+def get_factory(name):
+  if name in _REGISTERED:
+    return _REGISTERED[name]
+  if name not in BUILTIN:
+    raise ValueError(f'unknown reward {name!r}; known: {known_rewards()} (custom rewards: register '
+                     f'them in a module listed in config.reward.imports)')
+  module, attr = BUILTIN[name].split(':')
+  return getattr(importlib.import_module(module), attr)
+
+
+def make_reward(name, **kwargs):
+  """The reward callable `name` built with `kwargs`."""
+  return get_factory(name)(**kwargs)
+
+
+def import_modules(modules):
+  """Imports user modules that register rewards (run in the trainer and in every worker)."""
+  for m in modules:
+    importlib.import_module(m)

@@ -1,0 +1,118 @@
+"""The reward service the trainer talks to: submit decoded samples now, collect the scores later.
+
+    service = make_reward_service(config.reward)
+    pending = service.submit(samples_u8, prompts)      # returns at once
+    ...                                                # the trainer computes the data loss meanwhile
+    result = pending.result()                          # RewardResult; NaN = failed sample
+
+Backends (config.reward.backend):
+  'local': the embedded default. `pool.WorkerPool` processes on this host (workers > 0), or an
+    `InlinePool` thread (workers = 0) for cheap rewards such as the toy task's.
+  'redis': `redis_backend.RedisRewardClient`, a queue served by any number of
+    ``python -m ddrl_jax.rewards.serve --redis=URL`` processes on any hosts.
+"""
+import dataclasses
+import os
+from typing import Dict, Tuple
+
+from ddrl_jax.rewards import pool as pool_lib
+from ddrl_jax.rewards import registry
+
+COMBINE_MODES = ('advantage_mean', 'weighted_sum')
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+  """Which rewards, their weights and constructor arguments, and how they combine.
+
+  weights: name -> weight, in a fixed order (the columns of the (M, R) reward matrix).
+  kwargs: name -> keyword arguments of the reward's factory.
+  combine: 'advantage_mean' (cosmos-rl: a group advantage per reward, then their weighted mean) or
+    'weighted_sum' (one advantage of sum_i w_i r_i).
+  imports: modules that register custom rewards (imported in the trainer and in every worker).
+  """
+  weights: Dict[str, float]
+  kwargs: Dict[str, dict]
+  combine: str = 'advantage_mean'
+  imports: Tuple[str, ...] = ()
+
+  @property
+  def names(self):
+    return list(self.weights)
+
+  @classmethod
+  def from_config(cls, reward_config):
+    """From a ``config.reward`` ConfigDict; raises ValueError naming the bad key."""
+    fns = dict(reward_config.fns)
+    if not fns:
+      raise ValueError('config.reward.fns is empty: name at least one reward, e.g. {"ocr": 1.0}')
+    registry.import_modules(reward_config.imports)
+    known = registry.known_rewards()
+    for name, w in fns.items():
+      if name not in known:
+        raise ValueError(f'config.reward.fns: unknown reward {name!r}; known: {known}')
+      if not float(w) > 0:
+        raise ValueError(f'config.reward.fns.{name}={w!r}: weights must be > 0')
+    kwargs = {k: dict(v) for k, v in dict(reward_config.kwargs).items()}
+    stray = sorted(set(kwargs) - set(fns))
+    if stray:
+      raise ValueError(f'config.reward.kwargs names rewards not in config.reward.fns: {stray}')
+    if reward_config.combine not in COMBINE_MODES:
+      raise ValueError(f'config.reward.combine={reward_config.combine!r}; known: {COMBINE_MODES}')
+    return cls(weights={k: float(v) for k, v in fns.items()},
+               kwargs={n: kwargs.get(n, {}) for n in fns}, combine=reward_config.combine,
+               imports=tuple(reward_config.imports))
+
+
+class LocalRewardService:
+  """Rewards scored on this host by a worker pool (or inline), asynchronously."""
+
+  def __init__(self, spec, *, workers=2, chunk_size=16, chunk_timeout_s=120.0,
+               result_timeout_s=600.0):
+    self.spec = spec
+    self.chunk_size = chunk_size
+    self.result_timeout_s = result_timeout_s
+    if workers > 0:
+      self.pool = pool_lib.WorkerPool(spec.kwargs, workers, chunk_timeout_s=chunk_timeout_s,
+                                      imports=spec.imports)
+    else:
+      self.pool = pool_lib.InlinePool(spec.kwargs, imports=spec.imports)
+
+  def submit(self, samples, prompts):
+    return _Pending(self.pool.submit(samples, prompts, self.spec.names, self.chunk_size),
+                    self.result_timeout_s)
+
+  def close(self):
+    self.pool.close()
+
+
+class _Pending:
+  """What `submit` returns: `done()` and `result()` (bounded by the service's result timeout)."""
+
+  def __init__(self, job, timeout):
+    self.job, self.timeout = job, timeout
+
+  def done(self):
+    return self.job.done()
+
+  def result(self):
+    return self.job.result(self.timeout)
+
+
+def make_reward_service(reward_config):
+  """A `LocalRewardService` or `RedisRewardClient` from ``config.reward``."""
+  spec = RewardSpec.from_config(reward_config)
+  c = reward_config
+  if c.backend == 'local':
+    return LocalRewardService(spec, workers=c.workers, chunk_size=c.chunk_size,
+                              chunk_timeout_s=c.chunk_timeout_s, result_timeout_s=c.timeout_s)
+  if c.backend == 'redis':
+    from ddrl_jax.rewards import redis_backend  # pylint: disable=g-import-not-at-top
+    token = os.environ.get(c.token_env, '')
+    if not token:
+      raise ValueError(f'config.reward.backend=redis needs a bearer token in the environment '
+                       f'variable {c.token_env} (config.reward.token_env), the same the server has')
+    return redis_backend.RedisRewardClient(
+        c.redis_url, token, spec, chunk_size=c.chunk_size, timeout_s=c.timeout_s,
+        retries=c.retries, task_ttl_s=c.task_ttl_s)
+  raise ValueError(f"config.reward.backend={c.backend!r}; known: 'local', 'redis'")
