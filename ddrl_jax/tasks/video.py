@@ -309,4 +309,47 @@ class CosmosVideo:
                 latent_std=float(np.nanstd(samples)))
 
 
+  # ---- record encoding (ddrl_jax.data.prepare / synthesize)
+  @property
+  def media_shape(self):
+    """(F, H, W, 3): the uint8 video the VAE encodes into one (16, T, H', W') latent."""
+    _, frames, height, width = self.video_shape
+    return (frames, height, width, 3)
+
+  def encode_samples(self, media_u8):
+    """(B, F, H, W, 3) uint8 videos -> (B, *sample_shape) float32 normalized VAE latents (host).
+
+    Pixels map to [-1, 1], channels first (B, 3, F, H, W), then the jitted VAE encode in chunks of
+    config.cosmos.vae_batch; the last chunk is zero-padded to that size, so every call runs the one
+    compiled shape and a video's latent does not depend on how the videos were batched.
+    """
+    media_u8 = np.asarray(media_u8)
+    if media_u8.dtype != np.uint8 or media_u8.shape[1:] != self.media_shape:
+      raise ValueError(f'encode_samples: expected (B, *{self.media_shape}) uint8, got '
+                       f'{media_u8.shape} {media_u8.dtype}')
+    state, encode, _ = self._vae_fns()
+    step = self.c.vae_batch
+    out = []
+    for s in range(0, media_u8.shape[0], step):
+      chunk = media_u8[s:s + step]
+      video = np.zeros((step, 3) + self.video_shape[1:], np.float32)
+      video[:len(chunk)] = np.transpose(chunk.astype(np.float32) / 127.5 - 1.0, (0, 4, 1, 2, 3))
+      out.append(np.asarray(encode(state, jnp.asarray(video)), np.float32)[:len(chunk)])
+    return np.concatenate(out) if out else np.zeros((0,) + self.sample_shape, np.float32)
+
+  def _byte_embed(self, prompts):
+    """list[str] -> (B, text_length, text_dim) float32: the frozen byte embedding of prompt_embeddings."""
+    if self.c.text != 'bytes':
+      raise ValueError(f'config.cosmos.text={self.c.text!r}: only bytes is implemented')
+    if getattr(self, '_byte_embed_fn', None) is None:
+      emb = text_lib.ByteEmbedding(self.text_dim, self.c.text_length, rngs=nnx.Rngs(self.c.text_seed))
+      self._byte_embed_fn = jax.jit(lambda i: emb(i))  # pylint: disable=unnecessary-lambda
+    ids, _ = text_lib.encode_bytes(list(prompts), self.c.text_length)
+    return np.asarray(self._byte_embed_fn(jnp.asarray(ids)), np.float32)
+
+  def encode_prompts(self, prompts):
+    """list[str] -> (B, L, C) float32 text embeddings as the DiT's cond['text'] (host)."""
+    return self._byte_embed(prompts)
+
+
 TASK = CosmosVideo
