@@ -45,6 +45,24 @@ def base_config():
       warmup_steps=50, warmup_init_factor=1e-6, grad_clip=1.0,
       ema_power_s=0.1))         # power EMA as cosmos-rl; None disables
 
+  # Rewards on decoded samples (ddrl_jax.rewards): name -> weight, factory kwargs, combination, and the
+  # asynchronous service that scores them while the trainer computes the data term.
+  c.reward = ml_collections.ConfigDict(dict(
+      fns=ml_collections.ConfigDict(),     # e.g. {'ocr': 1.0}; the columns of the reward matrix
+      kwargs=ml_collections.ConfigDict(),  # name -> factory kwargs, e.g. {'ocr': {'upscale': 2}}
+      combine='advantage_mean',            # 'advantage_mean' (cosmos-rl) or 'weighted_sum'
+      imports=(),                          # modules registering custom rewards (trainer + workers)
+      backend='local',                     # 'local' (worker processes here) or 'redis'
+      workers=2,                           # local worker processes; 0 = a thread, no isolation
+      chunk_size=16,                       # samples per worker request
+      chunk_timeout_s=120.0,               # a worker silent this long is killed (NaN, counted)
+      timeout_s=600.0,                     # a batch not scored this long after submission -> NaN
+      max_failed_batches=3,                # this many batches in a row with no score: stop
+      redis_url='redis://localhost:6379/0',
+      token_env='DDRL_REWARD_TOKEN',       # environment variable holding the bearer token
+      retries=3,                           # Redis connection retries (exponential backoff)
+      task_ttl_s=3600))
+
   # Mesh sizes; -1 fills with the remaining devices. Batches shard their B axis over (data, fsdp).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
   return c

@@ -65,6 +65,11 @@ def get_config(model, arg=''):
 
   c.mesh = ml_collections.ConfigDict(PARALLEL[model])
 
+  # Stand-in reward until a video reward model is wired: temporal smoothness of the decoded video,
+  # scored by two local worker processes (cosmos-rl: the dance_grpo VideoAlign service over Redis).
+  c.reward.fns = ml_collections.ConfigDict({'temporal_smoothness': 1.0})
+  c.reward.chunk_size = 4
+
   c.cosmos = ml_collections.ConfigDict(dict(
       model=model,                   # CosmosDiTConfig preset
       dit_overrides=ml_collections.ConfigDict(),   # extra CosmosDiTConfig fields

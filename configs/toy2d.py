@@ -42,6 +42,11 @@ def get_config(arg='ddrl_exact'):
       width=256, depth=3,
       pretrain_steps=3000, pretrain_batch=1024, pretrain_lr=2e-3,
   ))
+  # r(x) = w . x, scored in a thread: two multiply-adds per sample need no worker processes.
+  config.reward.fns = ml_collections.ConfigDict({'linear': 1.0})
+  config.reward.kwargs = ml_collections.ConfigDict({'linear': {'w': config.toy2d.reward_w}})
+  config.reward.workers = 0
+  config.reward.chunk_size = 4096
   common.apply_algorithm_preset(config, arg)
   if arg == 'ddrl_exact':
     # Z = beta log E_pdata[exp(r / beta)] in closed form (the paper's Z is under the reference model; a

@@ -1,4 +1,5 @@
 """Config validation: runs before anything compiles and names the offending key."""
+from ddrl_jax import rewards
 from ddrl_jax import sampling
 from ddrl_jax.parallel import mesh as mesh_lib
 from ddrl_jax.rl import algorithms
@@ -78,6 +79,20 @@ def validate(config, num_devices):
   _check(o.warmup_steps >= 0, 'optim.warmup_steps', o.warmup_steps, 'must be >= 0')
   _check(o.ema_power_s is None or o.ema_power_s > 0, 'optim.ema_power_s', o.ema_power_s,
          'must be > 0 or None')
+  try:
+    rewards.RewardSpec.from_config(config.reward)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  r = config.reward
+  _check(r.backend in ('local', 'redis'), 'reward.backend', r.backend, "known: 'local', 'redis'")
+  _check(r.workers >= 0, 'reward.workers', r.workers, 'must be >= 0 (0: score in a thread)')
+  _check(r.chunk_size >= 1, 'reward.chunk_size', r.chunk_size, 'must be >= 1')
+  _check(r.timeout_s > 0 and r.chunk_timeout_s > 0, 'reward.timeout_s', r.timeout_s,
+         'timeouts must be > 0')
+  _check(r.max_failed_batches >= 1, 'reward.max_failed_batches', r.max_failed_batches, 'must be >= 1')
+  if rl.adv_transform == 'exact':
+    _check(len(r.fns) == 1 or r.combine == 'weighted_sum', 'reward.combine', r.combine,
+           "the exact tilt transform needs one reward or combine='weighted_sum'")
   try:
     shape = mesh_lib.mesh_shape(config.mesh, num_devices)
   except ValueError as e:

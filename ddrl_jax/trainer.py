@@ -1,8 +1,10 @@
 """Train state, the jitted DDRL/GRPO update, and the rollout -> reward -> update loop.
 
-One iteration: B conditions -> N rollouts each (jitted, scan over T, vmap over N) -> rewards on the host ->
-one jitted update that adds the policy-gradient and diffusion-loss gradients -> AdamW -> power EMA.
+One iteration: B conditions -> N rollouts each (jitted, scan over T, vmap over N) -> decoded samples
+submitted to the reward service -> the diffusion-loss gradient, computed while the rewards are pending ->
+the policy gradient once they arrive, added to it in the jitted update -> AdamW -> power EMA.
 """
+import logging
 import os
 import time
 from typing import Any, NamedTuple
@@ -18,6 +20,7 @@ from ddrl_jax import config as config_lib
 from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import optim
 from ddrl_jax import parallel
+from ddrl_jax import rewards as rewards_lib
 from ddrl_jax import rl as rl_lib
 from ddrl_jax import sampling
 from ddrl_jax import tasks
@@ -38,23 +41,25 @@ class RolloutBatch(NamedTuple):
   axis, not the group axis, is what must divide the mesh. Slot b*N + n is rollout n of group b.
   """
   traj: sampling.Trajectory   # (B*N, 1, ...)
-  rewards: Any                # (B*N,) float32, NaN/Inf = failed sample
+  rewards: Any                # (B*N, R) float32, one column per reward; NaN/Inf = failed sample
   cond: Any                   # pytree of (B*N, ...): each group's condition repeated N times
 
 
 def flat_rollout_batch(traj, rewards, cond):
-  """A `RolloutBatch` from group-layout rollouts: traj (B, N, ...), rewards (B, N), cond (B, ...)."""
-  b, n = rewards.shape
+  """A `RolloutBatch` from group-layout rollouts: traj (B, N, ...), rewards (B, N[, R]), cond (B, ...)."""
+  b, n = rewards.shape[:2]
   flat = lambda a: a.reshape((b * n, 1) + a.shape[2:])
-  return RolloutBatch(traj=jax.tree.map(flat, traj), rewards=jnp.reshape(rewards, (b * n,)),
+  return RolloutBatch(traj=jax.tree.map(flat, traj), rewards=jnp.reshape(rewards, (b * n, -1)),
                       cond=rl_lib.repeat_groups(cond, n))
 
 
 def group_rollout_batch(rollout, n):
-  """Inverse of `flat_rollout_batch`: (traj (B, N, ...), rewards (B, N), cond (B, ...))."""
+  """Inverse of `flat_rollout_batch`: (traj (B, N, ...), rewards (B, N, R), cond (B, ...))."""
   group = lambda a: a.reshape((a.shape[0] // n, n) + a.shape[2:])
   cond = jax.tree.map(lambda a: a.reshape((a.shape[0] // n, n) + a.shape[1:])[:, 0], rollout.cond)
-  return jax.tree.map(group, rollout.traj), rollout.rewards.reshape(-1, n), cond
+  rewards = None if rollout.rewards is None else rollout.rewards.reshape(
+      (-1, n) + rollout.rewards.shape[1:])
+  return jax.tree.map(group, rollout.traj), rewards, cond
 
 
 class DataBatch(NamedTuple):
@@ -63,15 +68,18 @@ class DataBatch(NamedTuple):
   cond: Any                   # pytree of (B, ...)
 
 
-def compute_advantages(rewards, rl):
-  """(B, N) rewards -> (B, N) advantages by the config's transform."""
-  b, n = rewards.shape
-  flat = rewards.reshape(-1)
+def compute_advantages(rewards, config):
+  """(B, N, R) rewards -> (B, N) advantages by config.rl's transform and config.reward's combination."""
+  b, n, _ = rewards.shape
+  rl = config.rl
   if rl.adv_transform == 'exact':
-    adv = rl_lib.exact_tilt_advantages(flat, n, rl.exact_beta, rl.exact_log_partition)
+    single = lambda r: rl_lib.exact_tilt_advantages(r, n, rl.exact_beta, rl.exact_log_partition)
   else:
-    adv = rl_lib.group_advantages(flat, n, clip=rl.adv_clip, eps=rl.adv_eps,
-                                  transform=rl.adv_transform or None)
+    single = lambda r: rl_lib.group_advantages(r, n, clip=rl.adv_clip, eps=rl.adv_eps,
+                                               transform=rl.adv_transform or None)
+  weights = list(config.reward.fns.values())
+  adv = rl_lib.multi_reward_advantages(rewards.reshape(b * n, -1), weights, single,
+                                       config.reward.combine)
   return adv.reshape(b, n)
 
 
@@ -92,8 +100,16 @@ def init_train_state(params, config, optimizer):
       ref_params=copy(params) if algo.uses_reference and config.rl.kl_beta > 0 else None)
 
 
-def make_train_step(apply_fn, sampler, config, optimizer):
-  """The pure update (state, rollout, data, key) -> (state, metrics); jit it with `jit_train_step`."""
+def make_update_fns(apply_fn, sampler, config, optimizer):
+  """The update in two pure halves, so the data term can run while rewards are pending.
+
+    data_grads(params, rollout, data, key) -> (grads, metrics)      needs no rewards
+    update(state, rollout, data, grads, key) -> (state, metrics)     adds the policy gradient
+
+  `grads` is the gradient of loss_scale * data_beta * the diffusion loss (None for algorithms
+  without a data term). Both halves draw the trained steps and the loss noise from `key` exactly as
+  `rl_loss` does, so update(state, .., data_grads(state.params, ..)[0], key) equals one fused step.
+  """
   algo = rl_lib.get_algorithm(config.algorithm)
   rl = config.rl
   pool = config_lib.train_steps(config)
@@ -101,23 +117,39 @@ def make_train_step(apply_fn, sampler, config, optimizer):
   lr_schedule = optim.learning_rate_schedule(config.optim)
   use_data = algo.uses_data and rl.data_beta > 0
 
-  def train_step(state, rollout, data, key):
+  def prepare(rollout, key):
     k_steps, k_loss = jax.random.split(key)
     traj, rewards, cond = group_rollout_batch(rollout, config.num_rollouts)
-    b, n = rewards.shape
-    advantages = compute_advantages(rewards, rl)
+    b, n = traj.x0.shape[:2]
     steps = algo.select_steps(k_steps, b, n, pool, rl.train_fraction)
-    data_term = None
-    if use_data:
-      data_term = rl_lib.DataTerm(x0=data.x0, cond=data.cond, beta=rl.data_beta,
-                                  steps=rl.data_loss_steps, noise=rl.data_noise,
-                                  cond_dropout=rl.cond_dropout, weighting=rl.data_weighting)
+    return traj, rewards, cond, steps, k_loss
+
+  def data_term(data):
+    return rl_lib.DataTerm(x0=data.x0, cond=data.cond, beta=rl.data_beta, steps=rl.data_loss_steps,
+                           noise=rl.data_noise, cond_dropout=rl.cond_dropout,
+                           weighting=rl.data_weighting)
+
+  def data_grads(params, rollout, data, key):
+    if not use_data:
+      return None, {}
+    traj, _, _, steps, k_loss = prepare(rollout, key)
+    term = data_term(data)
+    loss_fn = lambda p: rl_lib.data_loss(apply_fn, p, sampler, traj, steps, term, k_loss)
+    value, grads = jax.value_and_grad(loss_fn)(params)
+    scale = rl.loss_scale * rl.data_beta
+    return jax.tree.map(lambda g: scale * g, grads), {'data_loss': value}
+
+  def update(state, rollout, grads_data, key):
+    traj, rewards, cond, steps, k_loss = prepare(rollout, key)
+    advantages = compute_advantages(rewards, config)
 
     def loss_fn(params):
       return algo.loss(apply_fn, params, state.ref_params, sampler, traj, advantages, steps, cond,
-                       data_term, k_loss, rl)
+                       None, k_loss, rl)
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if grads_data is not None:
+      grads = jax.tree.map(jnp.add, grads, grads_data)
     grads, nonfinite = optim.zero_nonfinite(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -126,16 +158,42 @@ def make_train_step(apply_fn, sampler, config, optimizer):
       beta = optim.power_ema_beta(state.step, gamma)
       ema = optim.ema_update(ema, params, beta)
       metrics['ema_beta'] = beta
-    failed = ~jnp.isfinite(rewards)   # NaN/Inf = failed sample (advantage 0, counted)
-    valid_rewards = jnp.where(failed, 0.0, rewards)
+    failed = ~jnp.isfinite(rewards).all(-1)   # any non-finite reward = failed sample (advantage 0)
+    valid = jnp.where(failed[..., None], 0.0, rewards)
+    num_valid = jnp.maximum((~failed).sum(), 1)
+    weights = jnp.asarray(list(config.reward.fns.values()), jnp.float32)
+    for i, name in enumerate(config.reward.fns):
+      metrics[f'reward/{name}'] = valid[..., i].sum() / num_valid
     metrics.update(
-        reward_mean=valid_rewards.sum() / jnp.maximum((~failed).sum(), 1),
+        reward_mean=(valid @ weights).sum() / num_valid,
         failed_rewards=failed.sum(), adv_mean=advantages.mean(), adv_abs_mean=jnp.abs(advantages).mean(),
         grad_norm=optax.tree.norm(grads), nonfinite_grads=nonfinite,
         learning_rate=lr_schedule(state.step), nfe_rollout=traj.nfe.mean())
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema,
                            ref_params=state.ref_params)
     return new_state, metrics
+
+  return data_grads, update
+
+
+def combine_metrics(metrics, data_metrics, config):
+  """Adds the data term's metrics to the update's; 'loss' becomes the total loss."""
+  metrics = dict(metrics)
+  if 'data_loss' in data_metrics:
+    metrics['data_loss'] = data_metrics['data_loss']
+    metrics['loss'] = metrics['loss'] + config.rl.loss_scale * config.rl.data_beta * \
+        data_metrics['data_loss']
+  return metrics
+
+
+def make_train_step(apply_fn, sampler, config, optimizer):
+  """The fused pure update (state, rollout, data, key) -> (state, metrics); jit with `jit_train_step`."""
+  data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer)
+
+  def train_step(state, rollout, data, key):
+    grads, data_metrics = data_grads(state.params, rollout, data, key)
+    state, metrics = update(state, rollout, grads, key)
+    return state, combine_metrics(metrics, data_metrics, config)
 
   return train_step
 
@@ -171,6 +229,10 @@ class Trainer:
         options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints, create=True))
     self.apply_fn = None
     self.state = None
+    self.rewards = None            # the reward service, started by _build
+    self._failed_batches = 0       # consecutive batches without one scored sample
+    self.events = []               # (name, time, info) of the current iteration
+    self.event_hooks = []          # callables (name, info), called at each event
 
   # ------------------------------------------------------------------------------------- state
   def restore_or_init(self):
@@ -213,32 +275,89 @@ class Trainer:
     self._sample = jax.jit(
         lambda p, cond, k: sampler.sample(apply_fn, p, cond, k, num_rollouts=1, sample_shape=shape),
         in_shardings=(rep, batch, rep), out_shardings=batch)
-    self._train_step = jit_train_step(
-        make_train_step(apply_fn, sampler, c, self.optimizer), self.mesh)
+    data_grads, update = make_update_fns(apply_fn, sampler, c, self.optimizer)
+    self._data_grads = jax.jit(data_grads, in_shardings=(rep, batch, rep, rep),
+                               out_shardings=(rep, rep))
+    self._update = jax.jit(update, in_shardings=(rep, batch, rep, rep), out_shardings=(rep, rep),
+                           donate_argnums=(0,))
+    if self.rewards is None:
+      self.rewards = rewards_lib.make_reward_service(c.reward)
+      if hasattr(self.rewards, 'check'):
+        self.rewards.check()
+
+  def event(self, name, **info):
+    """Records a named point of the current iteration (and calls the hooks, e.g. a test's)."""
+    self.events.append((name, time.perf_counter(), info))
+    for hook in self.event_hooks:
+      hook(name, info)
 
   def iteration_keys(self, it):
     """Keys of iteration `it`: derived from the root key and the step only (resume-exact)."""
     return jax.random.split(jax.random.fold_in(self.rng, it), 4)
 
   def collect(self, it):
-    """Rollouts, rewards and paired data of iteration `it` (the inputs of one train step)."""
+    """Rollouts of iteration `it`, their rewards submitted (not awaited), and the paired data.
+
+    Returns (rollout without rewards, pending rewards, sample validity (B*N,), data batch).
+    """
     c = self.config
     k_cond, k_roll, k_data, _ = self.iteration_keys(it)
     batch = parallel.batch_sharding(self.mesh)
     cond = self.task.conditions(k_cond, c.batch_size)
     slots = jax.device_put(rl_lib.repeat_groups(cond, c.num_rollouts), batch)
-    t0 = time.perf_counter()
     traj = jax.block_until_ready(self._rollout(self.state.params, slots, k_roll))
-    t1 = time.perf_counter()
-    samples = np.asarray(traj.x0).reshape((c.batch_size, c.num_rollouts) + traj.x0.shape[2:])
-    rewards = np.asarray(self.task.reward(samples, cond), np.float32)
-    if rewards.shape != samples.shape[:2]:
-      raise ValueError(f'task reward returned shape {rewards.shape}, expected {samples.shape[:2]}')
-    t2 = time.perf_counter()
+    self.event('rollout_done')
+    media, prompts, valid = self.task.reward_inputs(traj.x0[:, 0], slots)
+    pending = self.rewards.submit(media, prompts)
+    self.event('rewards_submitted', num=len(prompts))
     data = DataBatch(x0=self.task.data(k_data, cond), cond=cond)
-    rollout = RolloutBatch(traj=traj, rewards=jax.device_put(rewards.reshape(-1), batch), cond=slots)
     data = jax.device_put(data, parallel.replicated(self.mesh))
-    return rollout, data, dict(time_rollout=t1 - t0, time_reward=t2 - t1)
+    return RolloutBatch(traj=traj, rewards=None, cond=slots), pending, valid, data
+
+  def await_rewards(self, pending, valid):
+    """(B*N, R) float32 rewards of a pending request; NaN for failed or invalid samples."""
+    result = pending.result()
+    names = list(self.config.reward.fns)
+    rewards = result.matrix(names)
+    rewards[~np.asarray(valid, bool)] = np.nan
+    for message in result.errors[:5]:
+      logging.warning('reward: %s', message)
+    if np.isfinite(rewards).all(axis=1).any():
+      self._failed_batches = 0
+    else:
+      self._failed_batches += 1
+      if self._failed_batches >= self.config.reward.max_failed_batches:
+        raise rewards_lib.RewardServiceError(
+            f'{self._failed_batches} reward batches in a row failed completely '
+            f'(config.reward.max_failed_batches); last errors: {result.errors[:3]}')
+    counts = {f'reward_failures/{k}': float(v) for k, v in result.failures.items()}
+    return rewards, counts
+
+  def train_iteration(self, it):
+    """One iteration: rollouts -> rewards submitted -> data gradient -> rewards -> update."""
+    c = self.config
+    self.events = []
+    t0 = time.perf_counter()
+    rollout, pending, valid, data = self.collect(it)
+    t1 = time.perf_counter()
+    key = self.iteration_keys(it)[3]
+    grads, data_metrics = jax.block_until_ready(
+        self._data_grads(self.state.params, rollout, data, key))
+    overlapped = not pending.done()
+    self.event('data_grad_done', rewards_pending=overlapped)
+    t2 = time.perf_counter()
+    rewards, counts = self.await_rewards(pending, valid)
+    self.event('rewards_ready')
+    t3 = time.perf_counter()
+    rollout = rollout._replace(rewards=jax.device_put(rewards, parallel.batch_sharding(self.mesh)))
+    self.state, metrics = self._update(self.state, rollout, grads, key)
+    metrics = combine_metrics(metrics, data_metrics, c)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    self.event('update_done')
+    t4 = time.perf_counter()
+    metrics.update(counts, time_rollout_and_submit=t1 - t0, time_data_grad=t2 - t1,
+                   time_reward_wait=t3 - t2, time_update=t4 - t3, time_reward_overlap=float(overlapped))
+    return metrics
 
   def evaluate(self, it):
     c = self.config
@@ -270,12 +389,7 @@ class Trainer:
                     dynamic_ncols=True)
     try:
       for it in range(start, c.num_iterations):
-        rollout, data, timing = self.collect(it)
-        t0 = time.perf_counter()
-        self.state, metrics = self._train_step(self.state, rollout, data, self.iteration_keys(it)[3])
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        timing['time_update'] = time.perf_counter() - t0
-        metrics.update(timing)
+        metrics = self.train_iteration(it)
         step = it + 1
         writer.write(step, metrics)
         window.append(metrics)
@@ -293,4 +407,10 @@ class Trainer:
       bar.close()
       self.ckpt.wait_until_finished()
       writer.close()
+      self.close_rewards()
     return last
+
+  def close_rewards(self):
+    if self.rewards is not None:
+      self.rewards.close()
+      self.rewards = None

@@ -100,8 +100,12 @@ def test_task_shapes_and_restore_structure(smoke_task):
   _, abstract = task.abstract_params(jax.random.key(0))
   assert jax.tree.structure(abstract) == jax.tree.structure(params)
   assert [a.shape for a in jax.tree.leaves(abstract)] == [p.shape for p in jax.tree.leaves(params)]
-  r = task.reward(np.stack([np.asarray(x0), np.full_like(np.asarray(x0), np.nan)], axis=1), cond)
-  assert r.shape == (8, 2) and np.isfinite(r[:, 0]).all() and np.isnan(r[:, 1]).all()
+  samples = np.concatenate([np.asarray(x0), np.full_like(np.asarray(x0), np.nan)])
+  slots = jax.tree.map(lambda a: np.concatenate([a, a]), cond)
+  videos, prompts, valid = task.reward_inputs(samples, slots)
+  assert videos.shape == (16, 5, 32, 32, 3) and videos.dtype == np.uint8
+  assert prompts[:8] == prompts[8:] and all(isinstance(p, str) and p for p in prompts)
+  np.testing.assert_array_equal(valid, [True] * 8 + [False] * 8)
 
 
 # -------------------------------------------------------------------------------------- full configs

@@ -108,7 +108,7 @@ def _batch_for(config, seed=0):
   cond = task.conditions(key, config.batch_size)
   traj = sampler.rollout(apply_fn, params, cond, key, num_rollouts=config.num_rollouts,
                          sample_shape=task.sample_shape)
-  rewards = np.asarray(task.reward(np.asarray(traj.x0), cond))
+  rewards = np.asarray(traj.x0) @ task.w    # (B, N): the configured linear reward
   rewards[0, 1] = np.nan   # one failed sample
   data = trainer_lib.DataBatch(x0=task.data(jax.random.key(seed + 2), cond), cond=cond)
   return apply_fn, params, sampler, (traj, jnp.asarray(rewards), cond), data
@@ -121,14 +121,14 @@ def test_sharded_step_equals_single_device(preset):
   rollout = trainer_lib.RolloutBatch(traj=traj, rewards=rewards, cond=cond)   # group layout
   flat = trainer_lib.flat_rollout_batch(traj, rewards, cond)                  # the trainer's layout
   chex.assert_trees_all_equal(trainer_lib.group_rollout_batch(flat, config.num_rollouts),
-                              (traj, rewards, cond))
+                              (traj, rewards[..., None], cond))
   optimizer = optim.make_optimizer(config.optim)
   algo = algorithms.get_algorithm(config.algorithm)
   step_fn = trainer_lib.make_train_step(apply_fn, sampler, config, optimizer)
   key = jax.random.key(7)
   steps = algo.select_steps(key, config.batch_size, config.num_rollouts,
                             config_lib.train_steps(config), config.rl.train_fraction)
-  adv = trainer_lib.compute_advantages(rollout.rewards, config.rl)
+  adv = trainer_lib.compute_advantages(rollout.rewards[..., None], config)
   data_term = algorithms.DataTerm(x0=data.x0, cond=data.cond, beta=config.rl.data_beta)
 
   def loss_and_grad(p, rollout, data_term):

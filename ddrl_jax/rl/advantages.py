@@ -77,3 +77,30 @@ def exact_tilt_advantages(rewards, group_size, beta, log_partition=None):
     z_over_beta = jnp.asarray(log_partition, jnp.float32) / beta
   adv = -jnp.exp(-(jnp.where(valid, scaled, 0.0) - z_over_beta))
   return jnp.where(valid, adv, 0.0).reshape(-1)
+
+
+def multi_reward_advantages(rewards, weights, advantage_fn, combine='advantage_mean'):
+  """Advantages of several rewards per sample.
+
+  Args:
+    rewards: (B*N, R) rewards, groups consecutive; a sample with any non-finite reward is failed for
+      every reward (advantage 0), so all rewards see the same valid set.
+    weights: (R,) positive weights.
+    advantage_fn: (B*N,) rewards -> (B*N,) advantages (e.g. `group_advantages` with its options bound).
+    combine: 'advantage_mean' (cosmos-rl: one advantage per reward, then sum_i w_i A_i / sum_i w_i) or
+      'weighted_sum' (the advantage of sum_i w_i r_i).
+  Returns:
+    (B*N,) float32 advantages.
+  """
+  rewards = jnp.asarray(rewards, jnp.float32)
+  weights = jnp.asarray(weights, jnp.float32)
+  if rewards.ndim != 2 or rewards.shape[1] != weights.shape[0]:
+    raise ValueError(f'rewards must be (B*N, R) with R = {weights.shape[0]} weights; got {rewards.shape}')
+  failed = ~jnp.isfinite(rewards).all(axis=1, keepdims=True)
+  rewards = jnp.where(failed, jnp.nan, rewards)
+  if combine == 'weighted_sum':
+    return advantage_fn(rewards @ weights)
+  if combine != 'advantage_mean':
+    raise ValueError(f"combine must be 'advantage_mean' or 'weighted_sum', got {combine!r}")
+  per_reward = jnp.stack([advantage_fn(rewards[:, i]) for i in range(rewards.shape[1])], axis=1)
+  return per_reward @ weights / weights.sum()

@@ -82,6 +82,33 @@ def _step_inputs(picked):
   return samplers.StepInputs(**{f: picked[f] for f in samplers.StepInputs._fields})
 
 
+def data_loss(apply_fn, params, sampler, traj, steps, data, key):
+  """DDRL's diffusion loss on `data` (a `DataTerm`) at the noise levels of the trained steps.
+
+  The same value (and random draws) as the data part of `rl_loss(..., data=data, key=key)`, so a
+  trainer can take its gradient while rewards are still pending and add the policy gradient later.
+  Args: traj (B, N, T, ...) Trajectory, steps (B, N, K) trained step indices, key as rl_loss's.
+  Returns: the unweighted scalar loss (rl_loss adds loss_scale * data.beta * it).
+  """
+  num_k = steps.shape[-1]
+  picked = samplers.gather_steps(traj, steps)
+  k_steps, k_reduced = jax.random.split(key)
+  if data.steps == 'full':
+    def body(_, xs):
+      pick, step_key = xs
+      return None, _data_loss_at(apply_fn, params, sampler, _step_inputs(pick), traj.noise, data,
+                                 step_key)
+    _, per_step = jax.lax.scan(body, None, (picked, jax.random.split(k_steps, num_k)))
+    return per_step.mean()
+  k_pick, k_data = jax.random.split(k_reduced)
+  which = jax.random.randint(k_pick, steps.shape[:2], 0, num_k)   # (B, N) positions in K
+  # Only the noise levels of the drawn step matter: the (K, B, N) scalar fields.
+  levels = {f: jnp.take_along_axis(picked[f], which[None], axis=0)[0]
+            for f in ('step', 't_in', 'sigma_in', 'sigma_next', 'sigma_prev')}
+  inp = samplers.StepInputs(x_in=None, x0_prev=None, **levels)
+  return _data_loss_at(apply_fn, params, sampler, inp, traj.noise, data, k_data)
+
+
 def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
             log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
             data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout'):
@@ -114,17 +141,12 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
     raise ValueError(f"old_mean must be 'rollout' or 'detached', got {old_mean!r}")
   if kl_beta > 0 and ref_params is None:
     raise ValueError('kl_beta > 0 needs ref_params')
-  num_k = steps.shape[-1]
   picked = samplers.gather_steps(traj, steps)
 
   # The rollout's own step function recomputes the means with `params`.
   batched_mean = lambda p, inp: sampler.batched_step(apply_fn, p, inp, cond)[0]
 
-  k_steps, k_reduced = jax.random.split(key)
-  use_full_data = data is not None and data.steps == 'full'
-
-  def body(_, xs):
-    pick, step_key = xs
+  def body(_, pick):
     inp = _step_inputs(pick)
     mean_theta = batched_mean(params, inp)
     mean_old = pick['mean'] if old_mean == 'rollout' else jax.lax.stop_gradient(mean_theta)
@@ -137,25 +159,16 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
       mean_ref = jax.lax.stop_gradient(batched_mean(ref_params, inp))
       sq = ((mean_theta - mean_ref)**2).reshape(mean_ref.shape[:2] + (-1,)).mean(-1)
       out['kl'] = (sq / (2.0 * pick['std']**2)).mean()
-    if use_full_data:
-      out['data_loss'] = _data_loss_at(apply_fn, params, sampler, inp, traj.noise, data, step_key)
     return None, out
 
-  _, per_step = jax.lax.scan(body, None, (picked, jax.random.split(k_steps, num_k)))
+  _, per_step = jax.lax.scan(body, None, picked)
   metrics = {k: v.mean() for k, v in per_step.items()}
   metrics['ratio_max_dev'] = per_step['ratio_max_dev'].max()
   total = metrics['pg_loss']
   if kl_beta > 0:
     total = total + kl_beta * metrics['kl']
   if data is not None:
-    if not use_full_data:
-      k_pick, k_data = jax.random.split(k_reduced)
-      which = jax.random.randint(k_pick, advantages.shape, 0, num_k)   # (B, N) positions in K
-      # The data loss needs only the noise levels of the drawn step: the (K, B, N) scalar fields.
-      levels = {f: jnp.take_along_axis(picked[f], which[None], axis=0)[0]
-                for f in ('step', 't_in', 'sigma_in', 'sigma_next', 'sigma_prev')}
-      inp = samplers.StepInputs(x_in=None, x0_prev=None, **levels)
-      metrics['data_loss'] = _data_loss_at(apply_fn, params, sampler, inp, traj.noise, data, k_data)
+    metrics['data_loss'] = data_loss(apply_fn, params, sampler, traj, steps, data, key)
     total = total + data.beta * metrics['data_loss']
   total = loss_scale * total
   metrics['loss'] = total

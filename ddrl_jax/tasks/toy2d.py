@@ -175,10 +175,12 @@ class Toy2D:
     """(B, 2) clean data paired with the conditions."""
     return self.sample_data_n(key, cond.shape[0])
 
-  def reward(self, samples, cond):
-    """r(x) = w . x for (..., 2) samples (host numpy)."""
+  def reward_inputs(self, samples, cond):
+    """(M, 2) final samples -> what the reward service scores: (the points, M empty prompts, all valid).
+    The configured reward is rewards.basic.LinearReward(w = config.toy2d.reward_w)."""
+    samples = np.asarray(samples, np.float32)
     del cond
-    return np.asarray(samples, np.float32) @ self.w
+    return samples, [''] * samples.shape[0], np.ones((samples.shape[0],), bool)
 
   def evaluate(self, samples, key):
     """Distances of (n, 2) samples from p* and the data manifold."""

@@ -37,11 +37,12 @@ Text (config.cosmos.text == 'bytes'): the prompt's UTF-8 bytes through a frozen,
 `models.text.ByteEmbedding` of width C (not trained; a stand-in for precomputed Cosmos-Reason1
 full_concat embeddings).
 
-Reward: `temporal_smoothness`: the latents are denormalized and decoded with the VAE (jitted), turned into
-uint8 video, and r = -mean |frame_{k+1} - frame_k| / 255 over pixels, channels and consecutive frame
-pairs (0 = static video; in [-1, 0]). NaN for samples whose latent or decode is not finite (the trainer
-counts them as failed, advantage 0). There is no trainer hook to write decoded frames to the workdir, so
-this task writes none.
+Rewards: `reward_inputs` denormalizes and decodes the latents with the VAE (jitted) into uint8 videos
+(M, F, H, W, 3) and hands them, with each group's prompt, to the reward service (config.reward; the
+configs use rewards/basic.py's temporal smoothness, r = -mean |frame_{k+1} - frame_k| / 255, 0 for a
+static video). Samples whose latent or decode is not finite are marked invalid (reward NaN: the trainer
+counts them as failed, advantage 0). There is no trainer hook to write decoded frames to the workdir
+yet, so this task writes none.
 """
 
 import flax.nnx as nnx
@@ -52,6 +53,7 @@ import numpy as np
 from ddrl_jax.models import cosmos_dit
 from ddrl_jax.models import text as text_lib
 from ddrl_jax.models import wan_vae
+from ddrl_jax.rewards import basic as basic_rewards
 
 # (prompt, RGB in [0, 1], direction (dy, dx) in pixels per frame per unit speed).
 PROMPTS = (
@@ -126,12 +128,6 @@ def render_square_video(item, frames, height, width):
     x = int(round(np.clip(x0 + dx * speed * f, 0, width - side)))
     video[:, f, y:y + side, x:x + side] = np.asarray(rgb, np.float32)[:, None, None]
   return video * 2.0 - 1.0
-
-
-def temporal_smoothness(video_u8):
-  """(..., 3, F, H, W) uint8 -> (...) float32: -mean |frame_{k+1} - frame_k| / 255."""
-  v = video_u8.astype(np.float32) / 255.0
-  return -np.abs(np.diff(v, axis=-3)).mean(axis=(-4, -3, -2, -1))
 
 
 def make_apply_fn(graphdef, cond_timestep):
@@ -277,32 +273,37 @@ class CosmosVideo:
     del key
     return jnp.asarray(self.dataset_latents()[np.asarray(cond['index'])])
 
-  def decode_reward(self, latents):
-    """(M, 16, T, H, W) latents -> (M,) temporal-smoothness rewards (NaN where not finite)."""
+  def decode(self, latents):
+    """(M, 16, T, H, W) latents -> (uint8 videos (M, F, H, W, 3), finite (M,) bool)."""
     state, _, decode_u8 = self._vae_fns()
     latents = np.asarray(latents, np.float32)
-    out = np.empty((latents.shape[0],), np.float32)
-    step = self.c.vae_batch
-    for s in range(0, latents.shape[0], step):
-      u8, finite = decode_u8(state, jnp.asarray(latents[s:s + step]))
-      r = temporal_smoothness(np.asarray(u8))
-      out[s:s + step] = np.where(np.asarray(finite), r, np.nan)
-    return out
+    videos, finite = [], []
+    for s in range(0, latents.shape[0], self.c.vae_batch):
+      u8, ok = decode_u8(state, jnp.asarray(latents[s:s + self.c.vae_batch]))
+      videos.append(np.asarray(u8).transpose(0, 2, 3, 4, 1))
+      finite.append(np.asarray(ok))
+    return np.concatenate(videos), np.concatenate(finite)
 
-  def reward(self, samples, cond):
-    """(B, N, 16, T, H, W) final latents -> (B, N) rewards (host numpy)."""
+  def prompts(self, cond):
+    """The prompt text of each condition (index into the built-in prompts)."""
+    return [PROMPTS[int(i) % len(PROMPTS)][0] for i in np.asarray(cond['index'])]
+
+  def reward_inputs(self, samples, cond):
+    """(M, 16, T, H, W) final latents and their (M, ...) conditions -> what the reward service scores:
+    (uint8 videos (M, F, H, W, 3), M prompts, valid (M,) bool: latent and decode finite)."""
     samples = np.asarray(samples, np.float32)
-    b, n = samples.shape[:2]
     num_cond = np.asarray(cond['num_cond'])
     if num_cond.any():
-      gt = np.asarray(cond['first_frame'])[num_cond > 0][:, None]
-      self.i2v_frame0_err.append(float(np.abs(samples[num_cond > 0][:, :, :, :1] - gt).max()))
-    return self.decode_reward(samples.reshape((b * n,) + samples.shape[2:])).reshape(b, n)
+      gt = np.asarray(cond['first_frame'])[num_cond > 0]
+      self.i2v_frame0_err.append(float(np.abs(samples[num_cond > 0][:, :, :1] - gt).max()))
+    videos, finite = self.decode(samples)
+    return videos, self.prompts(cond), finite
 
   def evaluate(self, samples, key):
     del key
     samples = np.asarray(samples, np.float32)
-    r = self.decode_reward(samples)
+    videos, finite = self.decode(samples)
+    r = np.where(finite, basic_rewards.TemporalSmoothness()(videos, None), np.nan)
     ok = np.isfinite(r)
     return dict(reward=float(r[ok].mean()) if ok.any() else float('nan'),
                 finite_fraction=float(ok.mean()),
