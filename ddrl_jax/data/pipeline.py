@@ -151,6 +151,9 @@ class RecordLoader:
     expected: optional {field: (shape, dtype)} every record must match (records.expected_from_manifest).
     skip_bad: skip (count, log) corrupt or mis-shaped records instead of raising RecordError.
     worker_count: grain worker processes (0 = decode in this process; counters exact only then).
+      With workers each one batches its own slice of the records (so the order, and which records
+      an epoch's dropped remainder holds, differ from worker_count=0), and grain reads absl flags:
+      run under absl.app.run (as ddrl_jax.train does) or call flags.FLAGS.mark_as_parsed().
     num_epochs: None = repeat forever.
     read_threads, prefetch: grain ReadOptions for reading raw records ahead (prefetch in records;
       default 2 * batch_size, as one record can be tens of MB of latents).

@@ -153,6 +153,9 @@ def prepare(source, out, task, *, manifest=None, records_per_shard=1000, batch=8
   Returns {'num_records', 'num_skipped', 'skipped' (messages), 'ignored' (non-media files),
     'shards' (paths), 'sample_shape'}.
   """
+  if not all(hasattr(task, a) for a in ('media_shape', 'encode_samples', 'encode_prompts')):
+    raise ValueError(f'task {type(task).__name__} has no media_shape / encode_samples / '
+                     'encode_prompts, so it cannot encode media (e.g. config.task=video can)')
   if text not in ('task', 'none'):
     raise ValueError(f"text={text!r}: expected 'task' or 'none'")
   if batch < 1:
