@@ -3,11 +3,14 @@
 Score (FlowGRPO flow_grpo/ocr.py and cosmos-rl's reward service; ../shared/data/ocr/README.md):
   target     = the text inside the prompt's first pair of double quotes (the whole prompt if it has none),
                whitespace removed, lower-cased;
-  recognized = everything Tesseract reads, whitespace removed (spaces and its line breaks), lower-cased;
+  recognized = the words Tesseract reads with confidence > min_confidence (FlowGRPO keeps PaddleOCR
+               results with confidence > 0), whitespace removed, lower-cased;
   reward     = 1 if target is a substring of recognized, else 1 - min(Levenshtein(recognized, target),
                len(target)) / len(target).
 FlowGRPO reads with PaddleOCR, which cannot be installed offline; Tesseract in single-line mode is the
-reader here, so absolute accuracies are not comparable with theirs, only the score's definition.
+reader here, so absolute accuracies are not comparable with theirs, only the score's definition. The
+confidence filter matters: on a blank page single-line Tesseract "reads" 'Bn' with confidence 0, which
+would otherwise give blank images partial credit for targets sharing those letters.
 """
 import numpy as np
 
@@ -53,10 +56,11 @@ class OCRReward:
     upscale: integer nearest-neighbour upscaling before reading (Tesseract wants glyphs >= ~20 px tall).
     border: white-ish padding in pixels added around the (upscaled) image (Tesseract needs a margin).
     frame_stride: videos (M, F, H, W, C) are scored as the mean over frames 0, stride, 2*stride, ...
+    min_confidence: words Tesseract reads with confidence (0-100) at or below this are dropped.
   """
 
   def __init__(self, psm='SINGLE_LINE', lang='eng', data_path=None, upscale=1, border=0,
-               frame_stride=4):
+               frame_stride=4, min_confidence=0):
     try:
       import tesserocr  # pylint: disable=g-import-not-at-top
     except ImportError as e:
@@ -69,6 +73,7 @@ class OCRReward:
                        f'{[n for n in dir(tesserocr.PSM) if n.isupper()]}')
     self.api = tesserocr.PyTessBaseAPI(path=data_path, lang=lang, psm=getattr(tesserocr.PSM, psm))
     self.upscale, self.border, self.frame_stride = int(upscale), int(border), int(frame_stride)
+    self.min_confidence = float(min_confidence)
 
   def read(self, image):
     """(H, W) or (H, W, C) uint8 -> the recognized text."""
@@ -82,7 +87,12 @@ class OCRReward:
       pad = ((self.border, self.border), (self.border, self.border)) + ((0, 0),) * (image.ndim - 2)
       image = np.pad(image, pad, mode='edge')
     self.api.SetImage(Image.fromarray(np.ascontiguousarray(image)))
-    return self.api.GetUTF8Text()
+    self.api.Recognize()
+    try:
+      words = self.api.MapWordConfidences()       # [(word, confidence)] in reading order
+    except RuntimeError:                          # tesserocr raises when nothing was recognized
+      return ''
+    return ' '.join(w for w, conf in words if conf > self.min_confidence)
 
   def __call__(self, samples, prompts):
     samples = np.asarray(samples)
