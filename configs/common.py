@@ -45,6 +45,14 @@ def base_config():
       warmup_steps=50, warmup_init_factor=1e-6, grad_clip=1.0,
       ema_power_s=0.1))         # power EMA as cosmos-rl; None disables
 
+  # Paired data from record shards (ddrl_jax.data: prepare / synthesize write them). '' = the task's
+  # built-in data. Each record gives one condition group: its prompt/text and its clean sample.
+  c.data = ml_collections.ConfigDict(dict(
+      path='',                  # shard files, a directory or a glob
+      shuffle=True,
+      skip_bad=False,           # True: skip (count, log) corrupt or mis-shaped records
+      worker_count=0))          # grain decode processes (0: in the trainer process)
+
   # Rewards on decoded samples (ddrl_jax.rewards): name -> weight, factory kwargs, combination, and the
   # asynchronous service that scores them while the trainer computes the data term.
   c.reward = ml_collections.ConfigDict(dict(

@@ -24,6 +24,8 @@ from ddrl_jax import rewards as rewards_lib
 from ddrl_jax import rl as rl_lib
 from ddrl_jax import sampling
 from ddrl_jax import tasks
+from ddrl_jax.data import pipeline as data_pipeline
+from ddrl_jax.data import records as data_records
 
 
 class TrainState(NamedTuple):
@@ -205,6 +207,15 @@ def jit_train_step(train_step, mesh):
                  donate_argnums=(0,))
 
 
+def make_sample_fn(sampler, apply_fn, sample_shape, mesh):
+  """jit of (params, cond (M, ...), key) -> (M, 1, *sample_shape) final samples, one per slot."""
+  rep, batch = parallel.replicated(mesh), parallel.batch_sharding(mesh)
+  return jax.jit(
+      lambda p, cond, k: sampler.sample(apply_fn, p, cond, k, num_rollouts=1,
+                                        sample_shape=sample_shape),
+      in_shardings=(rep, batch, rep), out_shardings=batch)
+
+
 def _state_to_tree(state, rng):
   tree = {k: v for k, v in state._asdict().items() if v is not None}
   tree['rng'] = jax.random.key_data(rng)
@@ -227,12 +238,28 @@ class Trainer:
     self.ckpt = ocp.CheckpointManager(
         os.path.join(self.workdir, 'checkpoints'),
         options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints, create=True))
+    self.loader = self.make_loader()
     self.apply_fn = None
     self.state = None
     self.rewards = None            # the reward service, started by _build
     self._failed_batches = 0       # consecutive batches without one scored sample
     self.events = []               # (name, time, info) of the current iteration
     self.event_hooks = []          # callables (name, info), called at each event
+
+  def make_loader(self):
+    """The record loader of config.data.path (one batch of B records per iteration), or None."""
+    d = self.config.data
+    if not d.path:
+      return None
+    if jax.process_count() > 1:
+      raise NotImplementedError('config.data.path with several processes: per-host batches are read, '
+                                'but assembling them into global arrays is not implemented yet')
+    manifest = os.path.join(d.path, 'manifest.json') if os.path.isdir(d.path) else None
+    expected = data_records.expected_from_manifest(d.path) if manifest and os.path.exists(
+        manifest) else None
+    return data_pipeline.RecordLoader(d.path, self.config.batch_size, seed=self.config.seed,
+                                      shuffle=d.shuffle, expected=expected, skip_bad=d.skip_bad,
+                                      worker_count=d.worker_count)
 
   # ------------------------------------------------------------------------------------- state
   def restore_or_init(self):
@@ -248,8 +275,13 @@ class Trainer:
           lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
       target = _state_to_tree(abstract_state, self.rng)
       target = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-      restored = self.ckpt.restore(latest, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target)))['state']
+      items = dict(state=ocp.args.StandardRestore(target))
+      if self.loader is not None:
+        if 'data' not in self.ckpt.item_metadata(latest):
+          raise ValueError(f'checkpoint {latest} in {self.workdir} has no data-iterator state, but '
+                           f'config.data.path is set: it was written by a run without records')
+        items['data'] = data_pipeline.restore_args(self.loader)   # restores the loader in place
+      restored = self.ckpt.restore(latest, args=ocp.args.Composite(**items))['state']
       self.rng = jax.random.wrap_key_data(restored.pop('rng'))
       self.state = TrainState(**{f: restored.get(f) for f in TrainState._fields})
     # Copy: the jitted step donates its state, which must not free arrays the task still holds.
@@ -258,9 +290,11 @@ class Trainer:
 
   def save(self):
     step = int(self.state.step)
-    self.ckpt.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_state_to_tree(self.state, self.rng)),
-        config=ocp.args.JsonSave(self.config.to_dict())), force=True)
+    items = dict(state=ocp.args.StandardSave(_state_to_tree(self.state, self.rng)),
+                 config=ocp.args.JsonSave(self.config.to_dict()))
+    if self.loader is not None:
+      items['data'] = data_pipeline.save_args(self.loader)
+    self.ckpt.save(step, args=ocp.args.Composite(**items), force=True)
 
   # --------------------------------------------------------------------------------------- loop
   def _build(self):
@@ -272,9 +306,7 @@ class Trainer:
     self._rollout = jax.jit(
         lambda p, cond, k: sampler.rollout(apply_fn, p, cond, k, num_rollouts=1, sample_shape=shape),
         in_shardings=(rep, batch, rep), out_shardings=batch)
-    self._sample = jax.jit(
-        lambda p, cond, k: sampler.sample(apply_fn, p, cond, k, num_rollouts=1, sample_shape=shape),
-        in_shardings=(rep, batch, rep), out_shardings=batch)
+    self._sample = make_sample_fn(sampler, apply_fn, shape, self.mesh)
     data_grads, update = make_update_fns(apply_fn, sampler, c, self.optimizer)
     self._data_grads = jax.jit(data_grads, in_shardings=(rep, batch, rep, rep),
                                out_shardings=(rep, rep))
@@ -303,15 +335,21 @@ class Trainer:
     c = self.config
     k_cond, k_roll, k_data, _ = self.iteration_keys(it)
     batch = parallel.batch_sharding(self.mesh)
-    cond = self.task.conditions(k_cond, c.batch_size)
+    if self.loader is None:
+      cond = self.task.conditions(k_cond, c.batch_size)
+      x0, prompts = self.task.data(k_data, cond), self.task.prompts(cond)
+    else:   # one record per group: its condition and clean sample, used by every trained step
+      records = next(self.loader)
+      cond, x0 = self.task.from_records(records, k_cond)
+      prompts = list(records['prompt'])
     slots = jax.device_put(rl_lib.repeat_groups(cond, c.num_rollouts), batch)
     traj = jax.block_until_ready(self._rollout(self.state.params, slots, k_roll))
     self.event('rollout_done')
-    media, prompts, valid = self.task.reward_inputs(traj.x0[:, 0], slots)
-    pending = self.rewards.submit(media, prompts)
-    self.event('rewards_submitted', num=len(prompts))
-    data = DataBatch(x0=self.task.data(k_data, cond), cond=cond)
-    data = jax.device_put(data, parallel.replicated(self.mesh))
+    media, valid = self.task.reward_inputs(traj.x0[:, 0], slots)
+    slot_prompts = [p for p in prompts for _ in range(c.num_rollouts)]
+    pending = self.rewards.submit(media, slot_prompts)
+    self.event('rewards_submitted', num=len(slot_prompts))
+    data = jax.device_put(DataBatch(x0=x0, cond=cond), parallel.replicated(self.mesh))
     return RolloutBatch(traj=traj, rewards=None, cond=slots), pending, valid, data
 
   def await_rewards(self, pending, valid):
@@ -355,6 +393,9 @@ class Trainer:
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     self.event('update_done')
     t4 = time.perf_counter()
+    if self.loader is not None:
+      counts.update(data_records_seen=float(self.loader.records_seen),
+                    data_records_skipped=float(self.loader.num_skipped))
     metrics.update(counts, time_rollout_and_submit=t1 - t0, time_data_grad=t2 - t1,
                    time_reward_wait=t3 - t2, time_update=t4 - t3, time_reward_overlap=float(overlapped))
     return metrics

@@ -102,7 +102,8 @@ def test_task_shapes_and_restore_structure(smoke_task):
   assert [a.shape for a in jax.tree.leaves(abstract)] == [p.shape for p in jax.tree.leaves(params)]
   samples = np.concatenate([np.asarray(x0), np.full_like(np.asarray(x0), np.nan)])
   slots = jax.tree.map(lambda a: np.concatenate([a, a]), cond)
-  videos, prompts, valid = task.reward_inputs(samples, slots)
+  videos, valid = task.reward_inputs(samples, slots)
+  prompts = task.prompts(slots)
   assert videos.shape == (16, 5, 32, 32, 3) and videos.dtype == np.uint8
   assert prompts[:8] == prompts[8:] and all(isinstance(p, str) and p for p in prompts)
   np.testing.assert_array_equal(valid, [True] * 8 + [False] * 8)

@@ -175,12 +175,35 @@ class Toy2D:
     """(B, 2) clean data paired with the conditions."""
     return self.sample_data_n(key, cond.shape[0])
 
+  def from_records(self, batch, key):
+    """Records of 2-D points (e.g. written by ddrl_jax.data.synthesize) -> (conditions, x0 (B, 2))."""
+    del key
+    x0 = np.asarray(batch['sample'], np.float32)
+    if x0.shape[1:] != self.sample_shape:
+      raise ValueError(f'config.data.path: records hold samples of shape {x0.shape[1:]}, the toy task '
+                       f'needs {self.sample_shape}')
+    return self.conditions(None, x0.shape[0]), jnp.asarray(x0)
+
+  def prompt_set(self):
+    return ['']
+
+  def conditions_from_prompts(self, prompts, key):
+    return self.conditions(key, len(prompts))
+
+  def record_of(self, sample, prompt, text=True):
+    del text
+    return dict(prompt=prompt, sample=np.asarray(sample, np.float32))
+
+  def prompts(self, cond):
+    """The mixture is unconditional: every group's prompt is empty."""
+    return [''] * cond.shape[0]
+
   def reward_inputs(self, samples, cond):
-    """(M, 2) final samples -> what the reward service scores: (the points, M empty prompts, all valid).
+    """(M, 2) final samples -> what the reward service scores: (the points, all valid (M,)).
     The configured reward is rewards.basic.LinearReward(w = config.toy2d.reward_w)."""
-    samples = np.asarray(samples, np.float32)
     del cond
-    return samples, [''] * samples.shape[0], np.ones((samples.shape[0],), bool)
+    samples = np.asarray(samples, np.float32)
+    return samples, np.ones((samples.shape[0],), bool)
 
   def evaluate(self, samples, key):
     """Distances of (n, 2) samples from p* and the data manifold."""

@@ -183,6 +183,7 @@ class CosmosVideo:
     self._vae = None
     self._latents = None
     self._text = None
+    self._byte_embed_fn = None
     self.cond_log = []           # host copies of num_cond per conditions() call (T2V/I2V bookkeeping)
     self.i2v_frame0_err = []     # max |x0[frame 0] - gt| over I2V rollouts, per reward() call
 
@@ -249,11 +250,7 @@ class CosmosVideo:
   def prompt_embeddings(self):
     """(len(PROMPTS), L, C) frozen byte embeddings of the built-in prompts (host, cached)."""
     if self._text is None:
-      if self.c.text != 'bytes':
-        raise ValueError(f'config.cosmos.text={self.c.text!r}: only bytes is implemented')
-      ids, _ = text_lib.encode_bytes([p for p, _, _ in PROMPTS], self.c.text_length)
-      emb = text_lib.ByteEmbedding(self.text_dim, self.c.text_length, rngs=nnx.Rngs(self.c.text_seed))
-      self._text = np.asarray(jax.jit(lambda i: emb(i))(jnp.asarray(ids)), np.float32)
+      self._text = self._byte_embed([p for p, _, _ in PROMPTS])
     return self._text
 
   # ----------------------------------------------------------------------------------- task API
@@ -290,14 +287,39 @@ class CosmosVideo:
 
   def reward_inputs(self, samples, cond):
     """(M, 16, T, H, W) final latents and their (M, ...) conditions -> what the reward service scores:
-    (uint8 videos (M, F, H, W, 3), M prompts, valid (M,) bool: latent and decode finite)."""
+    (uint8 videos (M, F, H, W, 3), valid (M,) bool: latent and decode finite)."""
     samples = np.asarray(samples, np.float32)
     num_cond = np.asarray(cond['num_cond'])
     if num_cond.any():
       gt = np.asarray(cond['first_frame'])[num_cond > 0]
       self.i2v_frame0_err.append(float(np.abs(samples[num_cond > 0][:, :, :1] - gt).max()))
     videos, finite = self.decode(samples)
-    return videos, self.prompts(cond), finite
+    return videos, finite
+
+  def from_records(self, batch, key):
+    """A `data.pipeline.RecordLoader` batch -> (conditions (B, ...), clean latents (B, 16, T, H, W)).
+
+    The text is the records' text_embedding, or the prompts embedded now; the I2V frame is the
+    records' first_frame (or the sample's first latent frame); T2V/I2V is drawn per group as in
+    `conditions`. cond['index'] is the row in the batch (the built-in prompt table is not used).
+    """
+    x0 = np.asarray(batch['sample'], np.float32)
+    b = x0.shape[0]
+    if x0.shape[1:] != self.sample_shape:
+      raise ValueError(f'config.data.path: records hold samples of shape {x0.shape[1:]}, the task '
+                       f'needs {self.sample_shape} (config.cosmos.latent_shape)')
+    text = batch.get('text_embedding')
+    text = self.encode_prompts(batch['prompt']) if text is None else np.asarray(text, np.float32)
+    if text.shape[1:] != (self.c.text_length, self.text_dim):
+      raise ValueError(f'config.data.path: text embeddings of shape {text.shape[1:]}, the task '
+                       f'needs {(self.c.text_length, self.text_dim)}')
+    first = batch.get('first_frame')
+    first = x0[:, :, :1] if first is None else np.asarray(first, np.float32)
+    num_cond = np.asarray(jax.random.bernoulli(key, self.c.i2v_prob, (b,)), np.int32)
+    self.cond_log.append(num_cond.copy())
+    cond = dict(text=jnp.asarray(text), first_frame=jnp.asarray(first),
+                num_cond=jnp.asarray(num_cond), index=jnp.arange(b, dtype=jnp.int32))
+    return cond, jnp.asarray(x0)
 
   def evaluate(self, samples, key):
     del key
@@ -342,11 +364,32 @@ class CosmosVideo:
     """list[str] -> (B, text_length, text_dim) float32: the frozen byte embedding of prompt_embeddings."""
     if self.c.text != 'bytes':
       raise ValueError(f'config.cosmos.text={self.c.text!r}: only bytes is implemented')
-    if getattr(self, '_byte_embed_fn', None) is None:
+    if self._byte_embed_fn is None:
       emb = text_lib.ByteEmbedding(self.text_dim, self.c.text_length, rngs=nnx.Rngs(self.c.text_seed))
       self._byte_embed_fn = jax.jit(lambda i: emb(i))  # pylint: disable=unnecessary-lambda
     ids, _ = text_lib.encode_bytes(list(prompts), self.c.text_length)
     return np.asarray(self._byte_embed_fn(jnp.asarray(ids)), np.float32)
+
+  def prompt_set(self):
+    """The built-in prompts (ddrl_jax.data.synthesize's default prompt set)."""
+    return [p for p, _, _ in PROMPTS]
+
+  def conditions_from_prompts(self, prompts, key):
+    """Text-to-video conditions (B, ...) of B prompt strings (for synthesize)."""
+    del key
+    b = len(prompts)
+    lt, lh, lw = self.sample_shape[1:]
+    return dict(text=jnp.asarray(self.encode_prompts(prompts)),
+                first_frame=jnp.zeros((b, self.sample_shape[0], 1, lh, lw), jnp.float32),
+                num_cond=jnp.zeros((b,), jnp.int32), index=jnp.arange(b, dtype=jnp.int32))
+
+  def record_of(self, sample, prompt, text=True):
+    """A record (ddrl_jax.data.records) of one generated latent (16, T, H, W) and its prompt."""
+    sample = np.asarray(sample, np.float32)
+    rec = dict(prompt=prompt, sample=sample, first_frame=sample[:, :1])
+    if text:
+      rec['text_embedding'] = self.encode_prompts([prompt])[0]
+    return rec
 
   def encode_prompts(self, prompts):
     """list[str] -> (B, L, C) float32 text embeddings as the DiT's cond['text'] (host)."""

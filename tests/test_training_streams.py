@@ -1,0 +1,130 @@
+"""The trainer's two side streams: rewards scored while the data gradient computes (shown by event order),
+failed rewards counted, and record data (synthesized by the base model) consumed once, resumably."""
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from test_trainer import small_config  # tests/test_trainer.py
+
+from ddrl_jax import metrics as metrics_lib
+from ddrl_jax import rewards
+from ddrl_jax import trainer as trainer_lib
+from ddrl_jax.data import records as records_lib
+from ddrl_jax.data import synthesize
+
+
+def test_rewards_are_pending_while_the_data_gradient_computes(tmp_path):
+  gate = tmp_path / 'gate'
+  c = small_config('ddrl', num_iterations=2)
+  c.reward.fns = ml_collections.ConfigDict({'linear': 1.0, 'debug_gate': 0.5})
+  c.reward.kwargs.debug_gate = ml_collections.ConfigDict({'path': str(gate), 'max_wait': 120.0})
+  c.reward.workers = 1          # a separate worker process holds the gated reward
+  trainer = trainer_lib.Trainer(c, tmp_path / 'run')
+  seen = []
+
+  def hook(name, info):
+    seen.append((name, dict(info)))
+    if name == 'data_grad_done':
+      gate.touch()              # only now may the reward finish
+    if name == 'update_done':
+      gate.unlink()
+
+  trainer.event_hooks.append(hook)
+  trainer.train(progress=False)
+  names = [n for n, _ in seen]
+  assert names == ['rollout_done', 'rewards_submitted', 'data_grad_done', 'rewards_ready',
+                   'update_done'] * 2
+  assert all(info['rewards_pending'] for n, info in seen if n == 'data_grad_done')
+  rows = [r for r in metrics_lib.read_metrics(tmp_path / 'run') if 'loss' in r]
+  assert [r['time_reward_overlap'] for r in rows] == [1.0, 1.0]
+  assert all(np.isfinite(r['reward/debug_gate']) and r['failed_rewards'] == 0 for r in rows)
+  assert all(r['data_loss'] > 0 for r in rows)
+
+
+def test_split_update_equals_fused_step():
+  c = small_config('ddrl')
+  from test_trainer import _batch_for  # pylint: disable=g-import-not-at-top
+  apply_fn, params, sampler, (traj, r, cond), data = _batch_for(c)
+  rollout = trainer_lib.flat_rollout_batch(traj, r, cond)
+  opt = trainer_lib.optim.make_optimizer(c.optim)
+  state = trainer_lib.init_train_state(params, c, opt)
+  key = jax.random.key(3)
+  fused_state, fused = jax.jit(trainer_lib.make_train_step(apply_fn, sampler, c, opt))(
+      state, rollout, data, key)
+  data_grads, update = trainer_lib.make_update_fns(apply_fn, sampler, c, opt)
+  grads, data_metrics = jax.jit(data_grads)(params, rollout, data, key)
+  split_state, split = jax.jit(update)(state, rollout, grads, key)
+  split = trainer_lib.combine_metrics(split, data_metrics, c)
+  for k in ('loss', 'data_loss', 'pg_loss', 'grad_norm'):
+    np.testing.assert_allclose(split[k], fused[k], rtol=1e-6, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8),
+               split_state.params, fused_state.params)
+
+
+def test_crashing_reward_is_counted_then_stops_training(tmp_path):
+  c = small_config('ddrl', num_iterations=5)
+  c.reward.fns = ml_collections.ConfigDict({'debug_crash': 1.0})
+  c.reward.kwargs = ml_collections.ConfigDict()
+  c.reward.workers, c.reward.max_failed_batches = 1, 2
+  trainer = trainer_lib.Trainer(c, tmp_path)
+  with pytest.raises(rewards.RewardServiceError, match='2 reward batches in a row failed'):
+    trainer.train(progress=False)
+  rows = [r for r in metrics_lib.read_metrics(tmp_path) if 'loss' in r]
+  assert len(rows) == 1                                    # the first failed batch was still trained
+  assert rows[0]['failed_rewards'] == c.batch_size * c.num_rollouts
+  assert rows[0]['reward_failures/crash'] >= 1 and rows[0]['adv_abs_mean'] == 0.0
+
+
+def _records_config(path, **overrides):
+  c = small_config('ddrl', **overrides)
+  c.data.path = str(path)
+  return c
+
+
+def test_synthesized_records_train_and_resume_continues_the_stream(tmp_path):
+  base = small_config('ddrl')
+  summary = synthesize.synthesize(base, str(tmp_path / 'syn'), per_prompt=100, batch=64,
+                                  progress=False)
+  assert summary['num_records'] == 100 and summary['skipped_nonfinite'] == 0
+  recs = records_lib.read_all(str(tmp_path / 'syn'))
+  task_samples = np.stack([r['sample'] for r in recs])
+  assert task_samples.shape == (100, 2) and np.isfinite(task_samples).all()
+  # The base model's samples look like its data (the 4-mode mixture), not like noise.
+  assert np.abs(task_samples).mean() > 0.8
+
+  straight = _records_config(tmp_path / 'syn', num_iterations=4)
+  trainer_lib.Trainer(straight, tmp_path / 'straight').train(progress=False)
+  trainer_lib.Trainer(_records_config(tmp_path / 'syn', num_iterations=2),
+                      tmp_path / 'resumed').train(progress=False)
+  resumed = trainer_lib.Trainer(straight, tmp_path / 'resumed')
+  resumed.train(progress=False)
+  a = {r['step']: r for r in metrics_lib.read_metrics(tmp_path / 'straight') if 'loss' in r}
+  b = {r['step']: r for r in metrics_lib.read_metrics(tmp_path / 'resumed') if 'loss' in r}
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+  for step in (3, 4):
+    assert b[step]['data_records_seen'] == step * straight.batch_size   # every batch used once
+    for k, v in a[step].items():
+      if not k.startswith('time_'):
+        np.testing.assert_allclose(b[step][k], v, rtol=1e-6, atol=1e-9, err_msg=f'step {step} {k}')
+  assert os.path.isdir(tmp_path / 'resumed' / 'checkpoints' / '4' / 'data')
+
+
+def test_corrupt_record_stops_or_is_skipped_in_training(tmp_path):
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  good = [records_lib.encode_record({'prompt': '', 'sample': np.full(2, i, np.float32)})
+          for i in range(40)]
+  path = tmp_path / 'bad.array_record'
+  writer = array_record_module.ArrayRecordWriter(str(path), 'group_size:1')
+  for i, raw in enumerate(good):
+    writer.write(b'\x00garbage' if i == 3 else raw)
+  writer.close()
+  c = _records_config(path, num_iterations=2)
+  c.data.shuffle = False
+  with pytest.raises(records_lib.RecordError, match=r'bad\.array_record\[3\]'):
+    trainer_lib.Trainer(c, tmp_path / 'strict').train(progress=False)
+  c.data.skip_bad = True
+  trainer_lib.Trainer(c, tmp_path / 'lenient').train(progress=False)
+  rows = [r for r in metrics_lib.read_metrics(tmp_path / 'lenient') if 'loss' in r]
+  assert rows[-1]['data_records_skipped'] == 1
