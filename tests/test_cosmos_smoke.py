@@ -149,3 +149,26 @@ def test_smoke_config_validates_on_test_devices():
   c = cosmos2b.get_config('smoke')
   config_lib.validate(c, len(jax.devices()))
   config_lib.validate(cosmos14b.get_config('smoke'), len(jax.devices()))
+
+
+# ------------------------------------------------------------------------------ records as the data
+def test_smoke_trains_on_prepared_records(tmp_path):
+  from ddrl_jax.data import prepare  # pylint: disable=g-import-not-at-top
+  config = cosmos2b.get_config('smoke')
+  config.num_iterations = 1
+  task = video.CosmosVideo(config)
+  source = tmp_path / 'videos'
+  source.mkdir()
+  _, f, h, w = task.video_shape
+  for i in range(8):
+    clip = video.render_square_video(i, f, h, w)                      # (3, F, H, W) in [-1, 1]
+    u8 = np.round((clip.transpose(1, 2, 3, 0) + 1) * 127.5).astype(np.uint8)
+    np.save(source / f'clip{i}.npy', u8)
+    (source / f'clip{i}.txt').write_text(video.PROMPTS[i][0])
+  summary = prepare.prepare(str(source), str(tmp_path / 'records'), task, batch=4)
+  assert summary['num_records'] == 8
+  config.data.path = str(tmp_path / 'records')
+  trainer = trainer_lib.Trainer(config, tmp_path / 'run')
+  last = trainer.train(progress=False)
+  assert last['data_records_seen'] == 8 and last['failed_rewards'] == 0
+  assert math.isfinite(last['data_loss']) and math.isfinite(last['loss'])
