@@ -117,6 +117,17 @@ class RewardJob:
                         errors=errors)
 
 
+def new_job(specs, samples, prompts, names, chunk_size):
+  """A `RewardJob` over (M, ...) `samples` and M `prompts` (kept on the job), in chunks."""
+  samples = np.asarray(samples)
+  if len(prompts) != samples.shape[0]:
+    raise ValueError(f'{len(prompts)} prompts for {samples.shape[0]} samples')
+  names = list(specs) if names is None else list(names)
+  job = RewardJob(names, samples.shape[0], split_chunks(samples.shape[0], chunk_size))
+  job.samples, job.prompts = samples, [str(p) for p in prompts]
+  return job
+
+
 def split_chunks(num, chunk_size):
   return [slice(s, min(s + chunk_size, num)) for s in range(0, num, max(1, chunk_size))]
 
@@ -172,12 +183,7 @@ class WorkerPool:
   # ---------------------------------------------------------------------------------- public
   def submit(self, samples, prompts, names=None, chunk_size=16):
     """Queues (M, ...) host `samples` with M `prompts`; returns a `RewardJob` immediately."""
-    samples = np.asarray(samples)
-    if len(prompts) != samples.shape[0]:
-      raise ValueError(f'{len(prompts)} prompts for {samples.shape[0]} samples')
-    names = list(self.specs) if names is None else list(names)
-    job = RewardJob(names, samples.shape[0], split_chunks(samples.shape[0], chunk_size))
-    job.samples, job.prompts = samples, [str(p) for p in prompts]
+    job = new_job(self.specs, samples, prompts, names, chunk_size)
     if self.fatal:
       job.abort(self.fatal)
       return job
@@ -339,19 +345,14 @@ class InlinePool:
     self.stats = collections.Counter()
 
   def submit(self, samples, prompts, names=None, chunk_size=16):
-    samples = np.asarray(samples)
-    if len(prompts) != samples.shape[0]:
-      raise ValueError(f'{len(prompts)} prompts for {samples.shape[0]} samples')
-    names = list(self.specs) if names is None else list(names)
-    job = RewardJob(names, samples.shape[0], split_chunks(samples.shape[0], chunk_size))
-    prompts = [str(p) for p in prompts]
+    job = new_job(self.specs, samples, prompts, names, chunk_size)
 
     def run():
       for sl in job.chunks:
         if job.cancelled:
           job.chunk_done()
           continue
-        message = {'samples': samples[sl], 'prompts': prompts[sl], 'names': names}
+        message = {'samples': job.samples[sl], 'prompts': job.prompts[sl], 'names': job.names}
         apply_reply(job, sl, worker_lib.score_chunk(self.rewards, message), sl.stop - sl.start)
         job.chunk_done()
 
