@@ -405,15 +405,20 @@ class Trainer:
     dp = parallel.data_parallel_size(self.mesh)
     slots = max(dp, c.eval_samples // dp * dp)
     groups = slots // c.num_rollouts if slots % c.num_rollouts == 0 else slots
-    key = jax.random.fold_in(jax.random.fold_in(self.rng, 0xE7A1), it)
-    cond = rl_lib.repeat_groups(self.task.conditions(key, groups), slots // groups)
+    root = jax.random.fold_in(self.rng, 0xE7A1)
+    key = jax.random.fold_in(root, it)
+    # The same evaluation conditions at every evaluation (held-out ones when the task has them).
+    make_cond = getattr(self.task, 'eval_conditions', self.task.conditions)
+    cond = rl_lib.repeat_groups(make_cond(root, groups), slots // groups)
+    host_cond = jax.device_get(cond)
     cond = jax.device_put(cond, parallel.batch_sharding(self.mesh))
     out = {}
     for name, params in (('eval', self.state.params), ('eval_ema', self.state.ema_params)):
       if params is None:
         continue
       samples = np.asarray(self._sample(params, cond, key)).reshape((-1,) + self.task.sample_shape)
-      out.update({f'{name}/{k}': v for k, v in self.task.evaluate(samples, key).items()})
+      metrics = self.task.evaluate(samples, key, cond=host_cond)
+      out.update({f'{name}/{k}': v for k, v in metrics.items()})
     return out
 
   def train(self, progress=True):

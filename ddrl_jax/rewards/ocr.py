@@ -87,12 +87,11 @@ class OCRReward:
       pad = ((self.border, self.border), (self.border, self.border)) + ((0, 0),) * (image.ndim - 2)
       image = np.pad(image, pad, mode='edge')
     self.api.SetImage(Image.fromarray(np.ascontiguousarray(image)))
-    self.api.Recognize()
-    try:
-      words = self.api.MapWordConfidences()       # [(word, confidence)] in reading order
-    except RuntimeError:                          # tesserocr raises when nothing was recognized
-      return ''
-    return ' '.join(w for w, conf in words if conf > self.min_confidence)
+    words = self.api.GetUTF8Text().split()
+    confidences = self.api.AllWordConfidences()   # one per word, in reading order
+    if len(confidences) != len(words):            # cannot pair them up: keep all or nothing
+      return ' '.join(words) if max(confidences, default=0) > self.min_confidence else ''
+    return ' '.join(w for w, conf in zip(words, confidences) if conf > self.min_confidence)
 
   def __call__(self, samples, prompts):
     samples = np.asarray(samples)

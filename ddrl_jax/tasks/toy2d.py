@@ -205,8 +205,9 @@ class Toy2D:
     samples = np.asarray(samples, np.float32)
     return samples, np.ones((samples.shape[0],), bool)
 
-  def evaluate(self, samples, key):
-    """Distances of (n, 2) samples from p* and the data manifold."""
+  def evaluate(self, samples, key, cond=None):
+    """Distances of (n, 2) samples from p* and the data manifold (the mixture ignores `cond`)."""
+    del cond
     samples = jnp.asarray(samples)
     ref = self.sample_optimum(key, samples.shape[0])
     data = self.sample_data_n(jax.random.fold_in(key, 2), samples.shape[0])

@@ -321,8 +321,8 @@ class CosmosVideo:
                 num_cond=jnp.asarray(num_cond), index=jnp.arange(b, dtype=jnp.int32))
     return cond, jnp.asarray(x0)
 
-  def evaluate(self, samples, key):
-    del key
+  def evaluate(self, samples, key, cond=None):
+    del key, cond
     samples = np.asarray(samples, np.float32)
     videos, finite = self.decode(samples)
     r = np.where(finite, basic_rewards.TemporalSmoothness()(videos, None), np.nan)

@@ -1,0 +1,53 @@
+"""OCR text rendering on a 2-core CPU: a small text-to-image Cosmos DiT, post-trained with Tesseract OCR.
+
+  python -m ddrl_jax.pretrain --config=configs/ocr_tiny.py --workdir=/tmp/ocr_pretrain   # the base model
+  python -m ddrl_jax.train --config=configs/ocr_tiny.py --workdir=/tmp/ocr_ddrl           # DDRL from it
+
+':arg' picks an algorithm preset (ddrl, ddrl_reduced, flow_grpo, dance_grpo); every method samples with
+FlowGRPO's SDE sampler so they differ only in their objective.
+"""
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg='ddrl'):
+  c = common.base_config()
+  c.task = 'ocr'
+  c.num_iterations = 80
+  c.batch_size = 8                  # prompts per iteration
+  c.num_rollouts = 8                # N images per prompt
+  c.log_every = 1
+  c.checkpoint_every = 20
+  c.eval_every = 20
+  c.eval_samples = 64
+
+  c.sampler.kind = 'flow_sde'
+  c.sampler.num_steps = 20
+  c.sampler.shift = 1.0
+  c.sampler.noise_level = 0.7
+
+  c.optim.learning_rate = 1e-4
+  c.optim.warmup_steps = 5
+  c.optim.weight_decay = 0.0
+  c.optim.ema_power_s = None
+
+  c.reward.fns = ml_collections.ConfigDict({'ocr': 1.0})
+  c.reward.workers = 2
+  c.reward.chunk_size = 8
+
+  c.ocr = ml_collections.ConfigDict(dict(
+      width=128, depth=4, heads=4, mlp_ratio=4, adaln_lora_dim=32, patch=8,
+      text_dim=64, text_length=8,
+      base_checkpoint='checkpoints/ocr_tiny_base',   # relative to the repository root
+      require_base=False,
+      data_seed=0,
+  ))
+  c.pretrain = ml_collections.ConfigDict(dict(
+      seed=0, steps=20000, batch=64, learning_rate=1e-3, warmup_steps=500, weight_decay=0.0,
+      ema_decay=0.999, cond_dropout=0.1, log_every=50, eval_every=1000, eval_samples=64,
+      checkpoint_every=500,
+  ))
+  common.apply_algorithm_preset(c, arg)
+  c.sampler.kind = 'flow_sde'
+  return c

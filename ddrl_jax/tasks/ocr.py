@@ -1,0 +1,178 @@
+"""OCR text rendering: a small text-to-image Cosmos DiT post-trained with the real OCR reward.
+
+Images are 32 x 96 RGB renders of 3-5 character strings (tasks/text_render.py), modelled in pixel space
+as (3, 32, 96) in [-1, 1] by `models.cosmos_t2i.CosmosT2I`, conditioned on the string's bytes.
+
+Conditions: (B, text_length) int32 byte ids of the target string; its prompt (for the reward) is
+'a sign that says "<string>"', recovered from the ids. Training strings and held-out strings are
+disjoint (text_render.split_of); `conditions` draws training strings, `eval_conditions` held-out ones.
+Data: each condition's string rendered again with a fresh random style (real data), or records
+(config.data.path; e.g. samples of the base model written by ddrl_jax.data.synthesize).
+Base model: `init_model` loads config.ocr.base_checkpoint (written by ddrl_jax.pretrain) when it exists,
+else starts from random weights.
+"""
+import os
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddrl_jax.models import cosmos_dit
+from ddrl_jax.models import cosmos_t2i
+from ddrl_jax.models import text as text_lib
+from ddrl_jax.rewards import ocr as ocr_reward
+from ddrl_jax.tasks import text_render
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def model_config(c):
+  """T2IConfig from config.ocr."""
+  dit = cosmos_dit.CosmosDiTConfig(
+      in_channels=3, model_channels=c.width, num_blocks=c.depth, num_heads=c.heads,
+      mlp_ratio=c.mlp_ratio, adaln_lora_dim=c.adaln_lora_dim, patch=(1, c.patch, c.patch),
+      crossattn_in=c.text_dim, context_dim=c.width, rope_h_ratio=1.0, rope_w_ratio=1.0,
+      rope_t_ratio=1.0, remat_policy='none')
+  return cosmos_t2i.T2IConfig(dit=dit, text_length=c.text_length)
+
+
+def make_apply_fn(graphdef):
+  """apply_fn(params, x_t (B, 3, H, W), t (B,), ids (B, L)) -> velocity."""
+  def apply_fn(params, x_t, t, cond):
+    params = jax.tree.map(lambda a: a, params)     # NNX Variables at this trace level (see video.py)
+    return nnx.merge(graphdef, params)(x_t, t, cond)
+  return apply_fn
+
+
+def to_pixels(images_u8):
+  """(B, H, W, 3) uint8 -> (B, 3, H, W) float32 in [-1, 1]."""
+  return np.transpose(np.asarray(images_u8, np.float32) / 127.5 - 1.0, (0, 3, 1, 2))
+
+
+def to_uint8(samples):
+  """(B, 3, H, W) float in [-1, 1] -> ((B, H, W, 3) uint8, finite (B,) bool)."""
+  samples = np.asarray(samples, np.float32)
+  finite = np.isfinite(samples).reshape(samples.shape[0], -1).all(-1)
+  u8 = np.round((np.nan_to_num(samples) + 1.0) * 127.5).clip(0, 255).astype(np.uint8)
+  return np.transpose(u8, (0, 2, 3, 1)), finite
+
+
+def resolve(path):
+  """A config path, relative paths taken from the repository root (where the README's commands run)."""
+  return path if not path or os.path.isabs(path) else os.path.join(REPO_ROOT, path)
+
+
+class OCRTask:
+  """The task for the trainer (see the module docstring)."""
+
+  sample_shape = (3, text_render.HEIGHT, text_render.WIDTH)
+
+  def __init__(self, config):
+    self.config = config
+    self.c = config.ocr
+    self.model_cfg = model_config(self.c)
+
+  # ----------------------------------------------------------------------------------- model
+  def _build(self, key):
+    return cosmos_t2i.CosmosT2I(self.model_cfg, rngs=nnx.Rngs(key))
+
+  def init_model(self, key):
+    """(apply_fn, params): the base checkpoint when config.ocr.base_checkpoint exists, else random."""
+    model = self._build(key)
+    graphdef, params = nnx.split(model)
+    path = resolve(self.c.base_checkpoint)
+    if path and os.path.exists(path):
+      from ddrl_jax import pretrain  # pylint: disable=g-import-not-at-top
+      params = pretrain.load_params(path, params, 'config.ocr.base_checkpoint')
+    elif path and self.c.require_base:
+      raise FileNotFoundError(f'config.ocr.base_checkpoint={self.c.base_checkpoint!r} does not exist; '
+                              f'train it with python -m ddrl_jax.pretrain --config=configs/ocr_tiny.py')
+    return make_apply_fn(graphdef), params
+
+  def abstract_params(self, key):
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: self._build(key)))
+    return make_apply_fn(graphdef), params
+
+  # ------------------------------------------------------------------------------ conditions
+  def ids_of(self, texts):
+    ids, _ = text_lib.encode_bytes(list(texts), self.c.text_length)
+    return ids
+
+  def texts_of(self, ids):
+    ids = np.asarray(ids)
+    return [bytes(int(b) for b in row if 0 < b < text_lib.PAD_BYTE).decode('utf-8', 'replace')
+            for row in ids]
+
+  def _texts(self, key, num, split):
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+    return [text_render.sample_text(rng, split) for _ in range(num)]
+
+  def conditions(self, key, batch):
+    """(B, text_length) int32 ids of B random training strings."""
+    return jnp.asarray(self.ids_of(self._texts(key, batch, 'train')))
+
+  def eval_conditions(self, key, batch):
+    """(B, text_length) int32 ids of B random held-out strings."""
+    return jnp.asarray(self.ids_of(self._texts(key, batch, 'heldout')))
+
+  def prompts(self, cond):
+    return [text_render.prompt_of(t) for t in self.texts_of(cond)]
+
+  def data(self, key, cond):
+    """(B, 3, H, W) real renders of each condition's string, each in a fresh random style."""
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+    images = [text_render.render(t, text_render.sample_style(rng), rng) for t in self.texts_of(cond)]
+    return jnp.asarray(to_pixels(np.stack(images)))
+
+  def pretrain_batch(self, step, batch):
+    """Batch `step` of the deterministic pretraining stream: (x0 (B, 3, H, W), ids (B, L))."""
+    texts, images = text_render.batch(self.c.data_seed, range(step * batch, (step + 1) * batch))
+    return to_pixels(images), self.ids_of(texts)
+
+  # --------------------------------------------------------------------------------- rewards
+  def reward_inputs(self, samples, cond):
+    """(M, 3, H, W) samples -> ((M, H, W, 3) uint8 images, finite (M,))."""
+    del cond
+    return to_uint8(samples)
+
+  def evaluate(self, samples, key, cond=None):
+    """OCR accuracy of (M, 3, H, W) samples of `cond` (the trainer passes the eval conditions)."""
+    del key
+    images, finite = to_uint8(samples)
+    if cond is None:
+      return dict(finite_fraction=float(finite.mean()))
+    reward = getattr(self, '_ocr', None) or ocr_reward.OCRReward(**dict(self.config.reward.kwargs.get(
+        'ocr', {})))
+    self._ocr = reward
+    scores = np.where(finite, reward(images, self.prompts(cond)), 0.0)
+    return dict(ocr=float(scores.mean()), ocr_exact=float((scores == 1).mean()),
+                finite_fraction=float(finite.mean()))
+
+  # ------------------------------------------------------------------------------- records
+  def from_records(self, batch, key):
+    """Records (prompt, sample (3, H, W) float in [-1, 1] or (H, W, 3) uint8) -> (ids, x0)."""
+    del key
+    sample = np.asarray(batch['sample'])
+    x0 = to_pixels(sample) if sample.dtype == np.uint8 else sample.astype(np.float32)
+    if x0.shape[1:] != self.sample_shape:
+      raise ValueError(f'config.data.path: records hold samples of shape {sample.shape[1:]}, the OCR '
+                       f'task needs {self.sample_shape} (float) or {self.sample_shape[1:] + (3,)} uint8')
+    texts = [ocr_reward.target_text(p) for p in batch['prompt']]
+    return jnp.asarray(self.ids_of(texts)), jnp.asarray(x0)
+
+  def prompt_set(self, num=512, seed=1):
+    """Training-split prompts for ddrl_jax.data.synthesize."""
+    rng = np.random.default_rng(seed)
+    return [text_render.prompt_of(text_render.sample_text(rng, 'train')) for _ in range(num)]
+
+  def conditions_from_prompts(self, prompts, key):
+    del key
+    return jnp.asarray(self.ids_of([ocr_reward.target_text(p) for p in prompts]))
+
+  def record_of(self, sample, prompt, text=True):
+    del text
+    return dict(prompt=prompt, sample=np.asarray(sample, np.float32))
+
+
+TASK = OCRTask
