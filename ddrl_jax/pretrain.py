@@ -19,7 +19,6 @@ import time
 from absl import app
 from absl import flags
 from absl import logging
-import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 from ml_collections import config_flags
@@ -28,30 +27,13 @@ import optax
 import orbax.checkpoint as ocp
 import tqdm
 
+from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
+from ddrl_jax import params_io
 from ddrl_jax import parallel
 from ddrl_jax import tasks
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.rl import diffusion_loss
-
-
-def save_params(path, params):
-  """Writes a params-only orbax checkpoint (the pure dict of an nnx.State) to `path`."""
-  ckptr = ocp.StandardCheckpointer()
-  ckptr.save(os.path.abspath(path), nnx.to_pure_dict(params), force=True)
-  ckptr.wait_until_finished()
-
-
-def load_params(path, template, key='checkpoint'):
-  """Reads `save_params` output into the structure of the nnx.State `template` (shapes checked)."""
-  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(template))
-  try:
-    loaded = ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
-  except Exception as e:  # orbax names the mismatching leaf
-    raise ValueError(f'{key}={path!r} does not match the configured model: {e}') from e
-  state = jax.tree.map(lambda a: a, template)
-  nnx.replace_by_pure_dict(state, loaded)
-  return state
 
 
 def make_step(apply_fn, optimizer, c):
@@ -89,19 +71,6 @@ def _prefetch(task, start, batch, depth=3):
   threading.Thread(target=produce, daemon=True).start()
   while True:
     yield q.get()
-
-
-def write_grid(path, images_u8, columns=8):
-  """(M, H, W, 3) uint8 -> one PNG grid."""
-  from PIL import Image  # pylint: disable=g-import-not-at-top
-  m, h, w, _ = images_u8.shape
-  rows = -(-m // columns)
-  grid = np.full((rows * (h + 2), columns * (w + 2), 3), 255, np.uint8)
-  for i, img in enumerate(images_u8):
-    r, col = divmod(i, columns)
-    grid[r * (h + 2):r * (h + 2) + h, col * (w + 2):col * (w + 2) + w] = img
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  Image.fromarray(grid).save(path)
 
 
 def evaluate(task, apply_fn, params, sampler, num, key, mesh):
@@ -158,12 +127,12 @@ def pretrain(config, workdir, progress=True):
         metrics, images = evaluate(task, apply_fn, e, sampler, c.eval_samples,
                                    jax.random.fold_in(key, 0xE7A1), mesh)
         writer.write(done, {f'eval_ema/{k}': v for k, v in metrics.items()})
-        write_grid(os.path.join(workdir, 'samples', f'step_{done:07d}.png'), images)
+        image_grid.write_grid(os.path.join(workdir, 'samples', f'step_{done:07d}.png'), images)
         logging.warning('step %d: %s', done, metrics)
       if done % c.checkpoint_every == 0 or done == c.steps:
         mngr.save(done, args=ocp.args.StandardSave(dict(params=p, opt_state=o, ema=e)), force=True)
         mngr.wait_until_finished()
-        save_params(os.path.join(workdir, 'export'), e)
+        params_io.save_params(os.path.join(workdir, 'export'), e)
   finally:
     bar.close()
     mngr.wait_until_finished()

@@ -72,3 +72,43 @@ def test_task_conditions_prompts_data_and_records():
   ids, x0_rec = task.from_records({'prompt': task.prompts(cond), 'sample': images}, None)
   np.testing.assert_array_equal(ids, cond)
   np.testing.assert_allclose(x0_rec, x0, atol=1 / 127.5)
+
+
+# ------------------------------------------------------------------------------ evaluation metrics
+def test_image_stats_recover_a_constructed_image():
+  from ddrl_jax.tasks import ocr_metrics  # pylint: disable=g-import-not-at-top
+  img = np.zeros((32, 96, 3), np.uint8)
+  img[:] = (200, 220, 240)                                 # background
+  img[10:22, 30:70] = (20, 10, 0)                          # a 12 x 40 block of ink
+  s = dict(zip(ocr_metrics.STAT_NAMES, ocr_metrics.image_stats(img)))
+  np.testing.assert_allclose([s['bg_r'], s['bg_g'], s['bg_b']], np.array([200, 220, 240]) / 255)
+  np.testing.assert_allclose([s['ink_r'], s['ink_g'], s['ink_b']], np.array([20, 10, 0]) / 255)
+  np.testing.assert_allclose(s['coverage'], 12 * 40 / (32 * 96))
+  np.testing.assert_allclose([s['box_w'], s['box_h'], s['box_x'], s['box_y']],
+                             [40 / 96, 12 / 32, 50 / 96, 16 / 32])
+  flat = ocr_metrics.image_stats(np.full((8, 8, 3), 128, np.uint8))
+  assert flat[7] == 0.0                                   # no ink on a flat image
+
+
+def test_collapsed_styles_drift_more_and_are_less_diverse_than_data():
+  from ddrl_jax.tasks import ocr_metrics  # pylint: disable=g-import-not-at-top
+  texts, data = tr.batch(0, range(128), 'heldout')
+  _, other = tr.batch(1, range(128), 'heldout')
+  data_stats = ocr_metrics.batch_stats(data)
+  # A reward hacker's output: every string black on white, no texture, no jitter.
+  plain = tr.Style(background=(1, 1, 1), background_end=(1, 1, 1), angle=0.0, texture='none',
+                   texture_strength=0.0, ink=(0, 0, 0), font=tr.FONTS[1], font_size=24, dx=0, dy=0,
+                   noise=0.0)
+  rng = np.random.default_rng(0)
+  collapsed = np.stack([tr.render(t, plain, rng) for t in texts])
+  hacked_stats = ocr_metrics.batch_stats(collapsed)
+  drift_data = ocr_metrics.style_drift(ocr_metrics.batch_stats(other), data_stats)
+  drift_hacked = ocr_metrics.style_drift(hacked_stats, data_stats)
+  assert drift_hacked > 5 * drift_data, (drift_hacked, drift_data)
+  div_data = ocr_metrics.group_diversity(ocr_metrics.batch_stats(other).reshape(32, 4, -1), data_stats)
+  div_hacked = ocr_metrics.group_diversity(hacked_stats.reshape(32, 4, -1), data_stats)
+  assert div_hacked < 0.5 * div_data, (div_hacked, div_data)
+  # The Frechet distance itself: 0 for identical samples, the squared mean shift for shifted ones.
+  a = np.random.default_rng(1).standard_normal((4000, 3))
+  assert ocr_metrics.frechet_distance(a, a) < 1e-4
+  np.testing.assert_allclose(ocr_metrics.frechet_distance(a, a + [2.0, 0, 0]), 4.0, rtol=1e-3)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddrl_jax import params_io
 from ddrl_jax.models import cosmos_dit
 from ddrl_jax.models import cosmos_t2i
 from ddrl_jax.models import text as text_lib
@@ -83,8 +84,7 @@ class OCRTask:
     graphdef, params = nnx.split(model)
     path = resolve(self.c.base_checkpoint)
     if path and os.path.exists(path):
-      from ddrl_jax import pretrain  # pylint: disable=g-import-not-at-top
-      params = pretrain.load_params(path, params, 'config.ocr.base_checkpoint')
+      params = params_io.load_params(path, params, 'config.ocr.base_checkpoint')
     elif path and self.c.require_base:
       raise FileNotFoundError(f'config.ocr.base_checkpoint={self.c.base_checkpoint!r} does not exist; '
                               f'train it with python -m ddrl_jax.pretrain --config=configs/ocr_tiny.py')

@@ -1,0 +1,163 @@
+"""Evaluate a checkpoint of the OCR task: ``python -m ddrl_jax.evaluate --config=... --checkpoint=...``.
+
+  python -m ddrl_jax.evaluate --config=configs/ocr_tiny.py --checkpoint=base
+  python -m ddrl_jax.evaluate --config=configs/ocr_tiny.py --checkpoint=/tmp/ocr_ddrl [--ema]
+  python -m ddrl_jax.evaluate --config=configs/ocr_tiny.py --checkpoint=/tmp/ocr_pretrain/export
+
+--checkpoint: 'base' (the config's base model), a trainer workdir (its latest checkpoint), or a
+params-only export (ddrl_jax.pretrain). Appends one JSON line to --out (default:
+<checkpoint dir or /tmp>/evaluation.jsonl) and writes an image grid beside it. Measures
+(tasks/ocr_metrics.py for the style statistics):
+  ocr_heldout, ocr_heldout_exact: OCR score / exact reads of K samples of each of P held-out strings;
+  ocr_flowgrpo (n_flowgrpo): the quoted texts of FlowGRPO's OCR test prompts that the model can write
+    (upper-cased, spaces removed, 3-5 characters of the task's alphabet);
+  heldout_diffusion_loss: the velocity MSE on real renders of held-out strings at a fixed grid of t
+    and fixed noise (distance from the data manifold, comparable across checkpoints);
+  style_drift: Frechet distance of the standardized style statistics of the generated held-out images
+    from those of real renders of the same strings (data vs data with other styles: data_style_drift);
+  diversity: mean pairwise style distance within a prompt's K samples (data_diversity: the same for K
+    real renders of one string);
+  stat/<name>: means of each style statistic over the generated images.
+"""
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+import numpy as np
+
+from ddrl_jax import parallel
+from ddrl_jax import image_grid
+from ddrl_jax import params_io
+from ddrl_jax import tasks
+from ddrl_jax import trainer as trainer_lib
+from ddrl_jax.rewards import ocr as ocr_reward
+from ddrl_jax.rl import diffusion_loss
+from ddrl_jax.tasks import ocr as ocr_task
+from ddrl_jax.tasks import ocr_metrics
+from ddrl_jax.tasks import text_render
+
+FLOWGRPO_PROMPTS = os.path.join(ocr_task.REPO_ROOT, 'data', 'ocr', 'flow_grpo_ocr_test.txt')
+
+
+def flowgrpo_targets(path):
+  """The quoted texts of FlowGRPO's OCR test prompts this task can write (see the module docstring)."""
+  if not os.path.exists(path):
+    return []
+  out = []
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      text = ''.join(ocr_reward.target_text(line.strip()).split()).upper()
+      if text_render.MIN_LEN <= len(text) <= text_render.MAX_LEN and set(text) <= set(
+          text_render.ALPHABET):
+        out.append(text)
+  return out
+
+
+def load_params(config, checkpoint, ema=False):
+  """(task, apply_fn, params) of 'base', a trainer workdir or a params-only export."""
+  task = tasks.get_task(config)
+  key = jax.random.fold_in(jax.random.key(config.seed), 0x6D6F64)
+  if checkpoint == 'base':
+    apply_fn, params = task.init_model(key)
+    return task, apply_fn, params
+  if os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
+    trainer = trainer_lib.Trainer(config, checkpoint)
+    trainer.restore_or_init()
+    params = trainer.state.ema_params if ema else trainer.state.params
+    if params is None:
+      raise ValueError(f'--ema: {checkpoint} holds no EMA parameters')
+    return task, trainer.apply_fn, params
+  apply_fn, template = task.abstract_params(key)
+  template = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
+  return task, apply_fn, params_io.load_params(checkpoint, template, '--checkpoint')
+
+
+def heldout_diffusion_loss(task, apply_fn, params, num=128, seed=7):
+  """Mean velocity MSE on `num` held-out real renders at t = 0.1, 0.2, ..., 0.9 with fixed noise."""
+  texts, images = text_render.batch(seed, range(num), 'heldout')
+  x0 = jnp.asarray(ocr_task.to_pixels(images))
+  ids = jnp.asarray(task.ids_of(texts))
+  loss = jax.jit(lambda p, n, t: diffusion_loss.velocity_loss(apply_fn, p, x0, n, t, ids,
+                                                              jnp.ones_like(t)).mean())
+  rng = np.random.default_rng(seed)
+  values = []
+  for t in np.linspace(0.1, 0.9, 9):
+    noise = jnp.asarray(rng.standard_normal(x0.shape).astype(np.float32))
+    values.append(float(loss(params, noise, jnp.full((num,), t, jnp.float32))))
+  return float(np.mean(values))
+
+
+def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, seed=0):
+  """The metrics of the module docstring and a (P, K) grid of images."""
+  mesh = parallel.make_mesh(config.mesh, jax.devices())
+  sample = trainer_lib.make_sample_fn(trainer_lib.make_sampler(config), apply_fn, task.sample_shape,
+                                      mesh)
+  reward = ocr_reward.OCRReward(**dict(config.reward.kwargs.get('ocr', {})))
+  rng = np.random.default_rng(seed)
+  held = [text_render.sample_text(rng, 'heldout') for _ in range(prompts)]
+  fgrpo = flowgrpo_targets(FLOWGRPO_PROMPTS)
+  texts = [t for t in held for _ in range(per_prompt)] + fgrpo
+  dp = parallel.data_parallel_size(mesh)
+  padded = texts + [texts[-1]] * (-len(texts) % dp)
+  cond = jax.device_put(jnp.asarray(task.ids_of(padded)), parallel.batch_sharding(mesh))
+  samples = np.asarray(sample(params, cond, jax.random.key(seed))).reshape(
+      (len(padded),) + task.sample_shape)[:len(texts)]
+  images, finite = task.reward_inputs(samples, None)
+  scores = np.where(finite, reward(images, [text_render.prompt_of(t) for t in texts]), 0.0)
+  n_held = len(held) * per_prompt
+  gen_stats = ocr_metrics.batch_stats(images[:n_held])
+  _, data_images = text_render.batch(seed + 1, range(n_held), 'heldout')
+  data_stats = ocr_metrics.batch_stats(data_images)
+  _, other_images = text_render.batch(seed + 2, range(n_held), 'heldout')
+  group_rng = np.random.default_rng(seed + 3)
+  data_groups = np.stack([ocr_metrics.batch_stats(np.stack([
+      text_render.render(t, text_render.sample_style(group_rng), group_rng) for _ in range(per_prompt)]))
+      for t in held])
+  out = dict(
+      ocr_heldout=float(scores[:n_held].mean()), ocr_heldout_exact=float((scores[:n_held] == 1).mean()),
+      ocr_flowgrpo=float(scores[n_held:].mean()) if fgrpo else float('nan'), n_flowgrpo=len(fgrpo),
+      heldout_diffusion_loss=heldout_diffusion_loss(task, apply_fn, params),
+      style_drift=ocr_metrics.style_drift(gen_stats, data_stats),
+      data_style_drift=ocr_metrics.style_drift(ocr_metrics.batch_stats(other_images), data_stats),
+      diversity=ocr_metrics.group_diversity(gen_stats.reshape(prompts, per_prompt, -1), data_stats),
+      data_diversity=ocr_metrics.group_diversity(data_groups, data_stats),
+      finite_fraction=float(finite.mean()), nfe_per_image=int(config.sampler.num_steps))
+  out.update({f'stat/{n}': float(v) for n, v in zip(ocr_metrics.STAT_NAMES, gen_stats.mean(0))})
+  grid = images[:min(8, prompts) * per_prompt]
+  return out, grid
+
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'The OCR task config.')
+_CHECKPOINT = flags.DEFINE_string('checkpoint', 'base', "'base', a trainer workdir or an export.")
+_EMA = flags.DEFINE_bool('ema', False, 'Use the EMA parameters of a trainer workdir.')
+_OUT = flags.DEFINE_string('out', None, 'JSONL file to append to.')
+_PROMPTS = flags.DEFINE_integer('prompts', 64, 'Held-out strings.')
+_PER_PROMPT = flags.DEFINE_integer('per_prompt', 4, 'Samples per held-out string.')
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  config, ckpt = _CONFIG.value, _CHECKPOINT.value
+  task, apply_fn, params = load_params(config, ckpt, _EMA.value)
+  t0 = time.perf_counter()
+  metrics, grid = evaluate_ocr(config, apply_fn, params, task, prompts=_PROMPTS.value,
+                               per_prompt=_PER_PROMPT.value)
+  out = _OUT.value or os.path.join(ckpt if os.path.isdir(ckpt) else '/tmp', 'evaluation.jsonl')
+  row = dict(checkpoint=ckpt, ema=_EMA.value, seconds=time.perf_counter() - t0, **metrics)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out, 'a') as f:
+    f.write(json.dumps(row) + '\n')
+  image_grid.write_grid(os.path.splitext(out)[0] + f'_{len(open(out).readlines()):03d}.png', grid,
+                          columns=_PER_PROMPT.value)
+  print(json.dumps(row))
+
+
+if __name__ == '__main__':
+  app.run(main)

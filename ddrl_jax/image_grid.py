@@ -1,0 +1,17 @@
+"""Image grids written to a workdir, for samples people would rather look at than read about."""
+import os
+
+import numpy as np
+
+
+def write_grid(path, images_u8, columns=8):
+  """(M, H, W, 3) uint8 -> one PNG grid."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  m, h, w, _ = images_u8.shape
+  rows = -(-m // columns)
+  grid = np.full((rows * (h + 2), columns * (w + 2), 3), 255, np.uint8)
+  for i, img in enumerate(images_u8):
+    r, col = divmod(i, columns)
+    grid[r * (h + 2):r * (h + 2) + h, col * (w + 2):col * (w + 2) + w] = img
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  Image.fromarray(grid).save(path)
