@@ -15,7 +15,9 @@ def save_params(path, params):
 
 def load_params(path, template, key='checkpoint'):
   """Reads `save_params` output into the structure of the nnx.State `template` (shapes checked)."""
-  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(template))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])   # portable across topologies
+  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                        nnx.to_pure_dict(template))
   try:
     loaded = ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
   except Exception as e:  # orbax names the mismatching leaf

@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 import tqdm
 
 from ddrl_jax import config as config_lib
+from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import optim
 from ddrl_jax import parallel
@@ -274,7 +275,9 @@ class Trainer:
       abstract_state = jax.eval_shape(
           lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
       target = _state_to_tree(abstract_state, self.rng)
-      target = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+      # Restore onto this run's mesh, whatever topology wrote the checkpoint (e.g. 8 devices -> 1).
+      rep = parallel.replicated(self.mesh)
+      target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), target)
       items = dict(state=ocp.args.StandardRestore(target))
       if self.loader is not None:
         if 'data' not in self.ckpt.item_metadata(latest):
@@ -419,7 +422,21 @@ class Trainer:
       samples = np.asarray(self._sample(params, cond, key)).reshape((-1,) + self.task.sample_shape)
       metrics = self.task.evaluate(samples, key, cond=host_cond)
       out.update({f'{name}/{k}': v for k, v in metrics.items()})
+      self.write_samples(name, it, samples, host_cond)
     return out
+
+  def write_samples(self, name, it, samples, cond, max_samples=32):
+    """An image grid of evaluation samples (same conditions and seed at every evaluation), for tasks
+    whose reward inputs are images (M, H, W, 3) or videos (M, F, H, W, 3: one row of frames each)."""
+    media, _ = self.task.reward_inputs(samples[:max_samples], jax.tree.map(lambda a: a[:max_samples], cond))
+    media = np.asarray(media)
+    if media.dtype != np.uint8 or media.ndim not in (4, 5) or media.shape[-1] != 3:
+      return
+    columns = 8
+    if media.ndim == 5:            # videos: sample i's frames on row i
+      columns = media.shape[1]
+      media = media[:8].reshape((-1,) + media.shape[2:])
+    image_grid.write_grid(os.path.join(self.workdir, 'samples', f'{name}_{it:06d}.png'), media, columns)
 
   def train(self, progress=True):
     """Runs (or resumes) to config.num_iterations; returns the last logged metrics."""
