@@ -4,7 +4,8 @@
   python -m ddrl_jax.train --config=configs/ocr_tiny.py --workdir=/tmp/ocr_ddrl           # DDRL from it
 
 ':arg' picks an algorithm preset (ddrl, ddrl_reduced, flow_grpo, dance_grpo); every method samples with
-FlowGRPO's SDE sampler so they differ only in their objective.
+FlowGRPO's SDE sampler and uses the normalized Gaussian log-ratio, so they differ only in their
+objective (DDRL's data term, FlowGRPO's reverse KL, or nothing).
 """
 import ml_collections
 
@@ -49,5 +50,6 @@ def get_config(arg='ddrl'):
       checkpoint_every=500,
   ))
   common.apply_algorithm_preset(c, arg)
-  c.sampler.kind = 'flow_sde'
+  c.sampler.kind = 'flow_sde'       # the same sampler and normalized log-ratio for every method
+  c.rl.log_ratio = 'gaussian'
   return c

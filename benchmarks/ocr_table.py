@@ -1,0 +1,123 @@
+"""The paper's image table at small scale: DDRL vs FlowGRPO vs DanceGRPO from one OCR base model.
+
+  python benchmarks/ocr_table.py [--iterations=80] [--eval_every=20] [--methods=ddrl,ddrl_reduced,...]
+      [--workdir=/tmp/ocr_table] [--prompts=64] [--per_prompt=4]
+
+Every method starts from configs/ocr_tiny.py's base checkpoint and runs the same number of iterations
+with the same prompts per iteration, rollouts per prompt and sampler (FlowGRPO's SDE, so they differ
+only in their objective). Each checkpoint (every --eval_every iterations) is evaluated by
+ddrl_jax.evaluate.evaluate_ocr on held-out strings: OCR accuracy, style drift, diversity, held-out
+diffusion loss. Writes ocr_table.jsonl (every evaluation), ocr_table.png (OCR accuracy against style
+drift over training, one line per method) and one sample grid per method into benchmarks/, and prints
+the table's markdown for RESULTS.md.
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from configs import ocr_tiny
+from ddrl_jax import evaluate as evaluate_lib
+from ddrl_jax import image_grid
+from ddrl_jax import trainer as trainer_lib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COLUMNS = ('ocr_heldout', 'ocr_heldout_exact', 'style_drift', 'diversity', 'heldout_diffusion_loss')
+
+
+def evaluate(config, trainer, args, method, iteration, rows, seconds):
+  metrics, grid = evaluate_lib.evaluate_ocr(config, trainer.apply_fn, trainer.state.params,
+                                            trainer.task, prompts=args.prompts,
+                                            per_prompt=args.per_prompt)
+  row = dict(method=method, iteration=iteration, train_seconds=seconds, **metrics)
+  rows.append(row)
+  print(json.dumps({k: row[k] for k in ('method', 'iteration', 'train_seconds') + COLUMNS}),
+        flush=True)
+  return grid
+
+
+def run_method(method, args, rows):
+  config = ocr_tiny.get_config('ddrl' if method == 'base' else method)
+  config.num_iterations = args.iterations
+  config.checkpoint_every = args.iterations
+  config.eval_every = -1
+  workdir = os.path.join(args.workdir, method)
+  trainer = trainer_lib.Trainer(config, workdir)
+  trainer.restore_or_init()
+  trainer._build()  # pylint: disable=protected-access
+  grid = evaluate(config, trainer, args, method, 0, rows, 0.0)
+  if method == 'base':
+    trainer.close_rewards()
+    return grid
+  seconds = 0.0
+  for it in range(args.iterations):
+    t0 = time.perf_counter()
+    trainer.train_iteration(it)
+    seconds += time.perf_counter() - t0
+    if (it + 1) % args.eval_every == 0 or it + 1 == args.iterations:
+      grid = evaluate(config, trainer, args, method, it + 1, rows, seconds)
+  trainer.close_rewards()
+  return grid
+
+
+def plot(rows, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6, 4.5))
+  for method in dict.fromkeys(r['method'] for r in rows):
+    rs = [r for r in rows if r['method'] == method]
+    ax.plot([r['style_drift'] for r in rs], [r['ocr_heldout'] for r in rs], 'o-', label=method)
+  ax.set_xlabel('style drift (Frechet distance of image statistics; data vs data ~ 2)')
+  ax.set_ylabel('held-out OCR accuracy')
+  ax.set_xscale('symlog')
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def table(rows, nfe):
+  last = {}
+  for r in rows:
+    last[r['method']] = r
+  lines = ['| method | OCR (held-out) | exact | style drift | diversity | held-out diffusion loss | '
+           'NFE / image | train time |', '|---' * 8 + '|']
+  for m, r in last.items():
+    lines.append(f"| {m} | {r['ocr_heldout']:.3f} | {r['ocr_heldout_exact']:.3f} | "
+                 f"{r['style_drift']:.2f} | {r['diversity']:.2f} (data {r['data_diversity']:.2f}) | "
+                 f"{r['heldout_diffusion_loss']:.4f} | {nfe} | {r['train_seconds'] / 60:.1f} min |")
+  return '\n'.join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--iterations', type=int, default=80)
+  parser.add_argument('--eval_every', type=int, default=20)
+  parser.add_argument('--methods', default='base,ddrl,ddrl_reduced,flow_grpo,dance_grpo')
+  parser.add_argument('--workdir', default='/tmp/ocr_table')
+  parser.add_argument('--prompts', type=int, default=64)
+  parser.add_argument('--per_prompt', type=int, default=4)
+  parser.add_argument('--out', default=HERE)
+  args = parser.parse_args()
+  meta = dict(date=time.strftime('%Y-%m-%d'), machine=f'{platform.machine()} {os.cpu_count()} cores',
+              command=' '.join(['python'] + sys.argv))
+  rows = []
+  for method in args.methods.split(','):
+    grid = run_method(method, args, rows)
+    image_grid.write_grid(os.path.join(args.out, f'ocr_table_{method}.png'), grid,
+                          columns=args.per_prompt * 2)
+    with open(os.path.join(args.out, 'ocr_table.jsonl'), 'w') as f:
+      for r in rows:
+        f.write(json.dumps(dict(meta, **r)) + '\n')
+  plot(rows, os.path.join(args.out, 'ocr_table.png'))
+  print(table(rows, ocr_tiny.get_config().sampler.num_steps))
+
+
+if __name__ == '__main__':
+  main()
