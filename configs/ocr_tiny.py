@@ -3,13 +3,22 @@
   python -m ddrl_jax.pretrain --config=configs/ocr_tiny.py --workdir=/tmp/ocr_pretrain   # the base model
   python -m ddrl_jax.train --config=configs/ocr_tiny.py --workdir=/tmp/ocr_ddrl           # DDRL from it
 
-':arg' picks an algorithm preset (ddrl, ddrl_reduced, flow_grpo, dance_grpo); every method samples with
+':arg' picks an algorithm preset (ddrl, ddrl_reduced, flow_grpo, dance_grpo) or ddrl_synthetic: DDRL
+regularized by samples of the base model (SYNTHETIC records) instead of real renders; every method samples with
 FlowGRPO's SDE sampler and uses the normalized Gaussian log-ratio, so they differ only in their
 objective (DDRL's data term, FlowGRPO's reverse KL, or nothing).
 """
+import os
+
 import ml_collections
 
 from configs import common
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 1024 samples of the base model (512 training strings x 2), written by
+#   python -m ddrl_jax.data.synthesize --config=configs/ocr_tiny.py --out=checkpoints/ocr_tiny_synthetic \
+#       --per_prompt=2 --batch=256
+SYNTHETIC = os.path.join(REPO_ROOT, 'checkpoints', 'ocr_tiny_synthetic')
 
 
 def get_config(arg='ddrl'):
@@ -40,6 +49,7 @@ def get_config(arg='ddrl'):
   c.ocr = ml_collections.ConfigDict(dict(
       width=128, depth=4, heads=4, mlp_ratio=4, adaln_lora_dim=32, patch=8,
       text_dim=64, text_length=8,
+      min_t=0.05,                                    # x-prediction: v = (x_t - x0_hat) / max(t, min_t)
       base_checkpoint='checkpoints/ocr_tiny_base',   # relative to the repository root
       require_base=False,
       data_seed=0,
@@ -49,7 +59,9 @@ def get_config(arg='ddrl'):
       ema_decay=0.999, cond_dropout=0.1, log_every=50, eval_every=1000, eval_samples=64,
       checkpoint_every=500,
   ))
-  common.apply_algorithm_preset(c, arg)
+  common.apply_algorithm_preset(c, 'ddrl' if arg == 'ddrl_synthetic' else arg)
+  if arg == 'ddrl_synthetic':
+    c.data.path = SYNTHETIC
   c.sampler.kind = 'flow_sde'       # the same sampler and normalized log-ratio for every method
   c.rl.log_ratio = 'gaussian'
   return c

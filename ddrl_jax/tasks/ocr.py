@@ -34,15 +34,27 @@ def model_config(c):
       in_channels=3, model_channels=c.width, num_blocks=c.depth, num_heads=c.heads,
       mlp_ratio=c.mlp_ratio, adaln_lora_dim=c.adaln_lora_dim, patch=(1, c.patch, c.patch),
       crossattn_in=c.text_dim, context_dim=c.width, rope_h_ratio=1.0, rope_w_ratio=1.0,
-      rope_t_ratio=1.0, remat_policy='none')
+      rope_t_ratio=1.0, remat_policy='none',
+      # Sinusoids of 1000 t (DiT's scale): at Cosmos' scale of t in [0, 1] the embedding's fastest
+      # frequency is 1 radian per unit t, too coarse for a small model to tell t = 0.05 from 0.1.
+      timestep_scale=1000.0)
   return cosmos_t2i.T2IConfig(dit=dit, text_length=c.text_length)
 
 
-def make_apply_fn(graphdef):
-  """apply_fn(params, x_t (B, 3, H, W), t (B,), ids (B, L)) -> velocity."""
+def make_apply_fn(graphdef, min_t):
+  """apply_fn(params, x_t (B, 3, H, W), t (B,), ids (B, L)) -> velocity.
+
+  The network predicts the clean image x0_hat (x-prediction) and the velocity is
+  v = (x_t - x0_hat) / max(t, min_t). In pixel space an 8 x 8 x 3 patch has 192 values but the model
+  is 128 wide: it cannot pass per-pixel noise through, which predicting v = noise - x0 directly
+  needs at large t (its samples stayed noisy), while the clean image lies on a low-dimensional
+  manifold that it can represent ("let denoising models denoise", Li & He 2025).
+  """
   def apply_fn(params, x_t, t, cond):
     params = jax.tree.map(lambda a: a, params)     # NNX Variables at this trace level (see video.py)
-    return nnx.merge(graphdef, params)(x_t, t, cond)
+    x0_hat = nnx.merge(graphdef, params)(x_t, t, cond)
+    tb = jnp.maximum(jnp.reshape(t, (-1,) + (1,) * (x_t.ndim - 1)), min_t)
+    return (x_t - x0_hat) / tb
   return apply_fn
 
 
@@ -88,11 +100,11 @@ class OCRTask:
     elif path and self.c.require_base:
       raise FileNotFoundError(f'config.ocr.base_checkpoint={self.c.base_checkpoint!r} does not exist; '
                               f'train it with python -m ddrl_jax.pretrain --config=configs/ocr_tiny.py')
-    return make_apply_fn(graphdef), params
+    return make_apply_fn(graphdef, self.c.min_t), params
 
   def abstract_params(self, key):
     graphdef, params = nnx.split(nnx.eval_shape(lambda: self._build(key)))
-    return make_apply_fn(graphdef), params
+    return make_apply_fn(graphdef, self.c.min_t), params
 
   # ------------------------------------------------------------------------------ conditions
   def ids_of(self, texts):
@@ -171,8 +183,10 @@ class OCRTask:
     return jnp.asarray(self.ids_of([ocr_reward.target_text(p) for p in prompts]))
 
   def record_of(self, sample, prompt, text=True):
+    """A record of one generated (3, H, W) sample, stored as the uint8 image the reward would see."""
     del text
-    return dict(prompt=prompt, sample=np.asarray(sample, np.float32))
+    images, _ = to_uint8(np.asarray(sample, np.float32)[None])
+    return dict(prompt=prompt, sample=images[0])
 
 
 TASK = OCRTask
