@@ -88,3 +88,22 @@ def test_main_job_config_trains_from_the_base_with_real_ocr(tmp_path):
     assert np.isfinite(row[k]), k
   assert row['n_flowgrpo'] == 5
   assert os.path.exists(tmp_path / 'ev' / 'e_001.png')
+
+
+def test_synthetic_regularization_from_base_samples(tmp_path):
+  from ddrl_jax.data import records as records_lib  # pylint: disable=g-import-not-at-top
+  from ddrl_jax.data import synthesize  # pylint: disable=g-import-not-at-top
+  pretrain.pretrain(tiny_config(), tmp_path / 'pre', progress=False)
+  c = tiny_config()
+  c.ocr.base_checkpoint = str(tmp_path / 'pre' / 'export')
+  prompts = ocr.OCRTask(c).prompt_set(num=8)
+  summary = synthesize.synthesize(c, str(tmp_path / 'syn'), prompts=prompts, per_prompt=2, batch=8,
+                                  progress=False)
+  assert summary['num_records'] == 16
+  recs = records_lib.read_all(str(tmp_path / 'syn'))
+  assert recs[0]['sample'].shape == (32, 96, 3) and recs[0]['sample'].dtype == np.uint8
+  assert [r['prompt'] for r in recs] == [p for p in prompts for _ in range(2)]
+  c.data.path = str(tmp_path / 'syn')
+  c.num_iterations, c.eval_every = 1, -1
+  last = trainer_lib.Trainer(c, tmp_path / 'rl').train(progress=False)
+  assert last['data_records_seen'] == c.batch_size and np.isfinite(last['data_loss'])
