@@ -133,12 +133,15 @@ def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, se
   return out, grid
 
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'The OCR task config.')
-_CHECKPOINT = flags.DEFINE_string('checkpoint', 'base', "'base', a trainer workdir or an export.")
-_EMA = flags.DEFINE_bool('ema', False, 'Use the EMA parameters of a trainer workdir.')
-_OUT = flags.DEFINE_string('out', None, 'JSONL file to append to.')
-_PROMPTS = flags.DEFINE_integer('prompts', 64, 'Held-out strings.')
-_PER_PROMPT = flags.DEFINE_integer('per_prompt', 4, 'Samples per held-out string.')
+def _define_flags():
+  """Defined only when run as a script, so importing this module adds no global absl flags."""
+  global _CONFIG, _CHECKPOINT, _EMA, _OUT, _PROMPTS, _PER_PROMPT
+  _CONFIG = config_flags.DEFINE_config_file('config', None, 'The OCR task config.')
+  _CHECKPOINT = flags.DEFINE_string('checkpoint', 'base', "'base', a trainer workdir or an export.")
+  _EMA = flags.DEFINE_bool('ema', False, 'Use the EMA parameters of a trainer workdir.')
+  _OUT = flags.DEFINE_string('out', None, 'JSONL file to append to.')
+  _PROMPTS = flags.DEFINE_integer('prompts', 64, 'Held-out strings.')
+  _PER_PROMPT = flags.DEFINE_integer('per_prompt', 4, 'Samples per held-out string.')
 
 
 def main(argv):
@@ -160,4 +163,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  _define_flags()
   app.run(main)

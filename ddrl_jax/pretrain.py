@@ -140,8 +140,11 @@ def pretrain(config, workdir, progress=True):
   return e
 
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config with a `pretrain` section.')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics, sample grids, export/.')
+def _define_flags():
+  """Defined only when run as a script, so importing this module adds no global absl flags."""
+  global _CONFIG, _WORKDIR
+  _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config with a `pretrain` section.')
+  _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics, sample grids, export/.')
 
 
 def main(argv):
@@ -153,4 +156,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  _define_flags()
   app.run(main)

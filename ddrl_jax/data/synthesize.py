@@ -85,16 +85,19 @@ def synthesize(config, out, *, workdir=None, prompts=None, per_prompt=1, batch=6
   return dict(shards=shards, num_records=len(todo) - stats['skipped_nonfinite'], step=step, **stats)
 
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config (task, model, sampler).')
-_OUT = flags.DEFINE_string('out', None, 'Output directory for the record shards.')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Trainer workdir to sample from (default: base).')
-_PROMPTS = flags.DEFINE_string('prompts', None, 'Prompt file, one per line (default: the task\'s).')
-_PER_PROMPT = flags.DEFINE_integer('per_prompt', 1, 'Samples per prompt.')
-_BATCH = flags.DEFINE_integer('batch', 64, 'Samples per sampling call.')
-_SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
-_EMA = flags.DEFINE_bool('ema', False, 'Sample with the EMA parameters of --workdir.')
-_TEXT = flags.DEFINE_enum('text', 'task', ['task', 'none'], 'Store text embeddings (video tasks).')
-_STOCHASTIC = flags.DEFINE_bool('stochastic', False, 'Use the SDE sampler instead of the ODE.')
+def _define_flags():
+  """Defined only when run as a script, so importing this module adds no global absl flags."""
+  global _CONFIG, _OUT, _WORKDIR, _PROMPTS, _PER_PROMPT, _BATCH, _SEED, _EMA, _TEXT, _STOCHASTIC
+  _CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config (task, model, sampler).')
+  _OUT = flags.DEFINE_string('out', None, 'Output directory for the record shards.')
+  _WORKDIR = flags.DEFINE_string('workdir', None, 'Trainer workdir to sample from (default: base).')
+  _PROMPTS = flags.DEFINE_string('prompts', None, 'Prompt file, one per line (default: the task\'s).')
+  _PER_PROMPT = flags.DEFINE_integer('per_prompt', 1, 'Samples per prompt.')
+  _BATCH = flags.DEFINE_integer('batch', 64, 'Samples per sampling call.')
+  _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
+  _EMA = flags.DEFINE_bool('ema', False, 'Sample with the EMA parameters of --workdir.')
+  _TEXT = flags.DEFINE_enum('text', 'task', ['task', 'none'], 'Store text embeddings (video tasks).')
+  _STOCHASTIC = flags.DEFINE_bool('stochastic', False, 'Use the SDE sampler instead of the ODE.')
 
 
 def main(argv):
@@ -111,5 +114,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  _define_flags()
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   app.run(main)
