@@ -51,7 +51,7 @@ def get_config(arg='ddrl'):
       text_dim=64, text_length=8,
       min_t=0.05,                                    # x-prediction: v = (x_t - x0_hat) / max(t, min_t)
       base_checkpoint='checkpoints/ocr_tiny_base',   # relative to the repository root
-      require_base=False,
+      require_base=True,                             # the RL job refuses to start from random weights
       data_seed=0,
   ))
   c.pretrain = ml_collections.ConfigDict(dict(

@@ -2,7 +2,7 @@
 
   python -m ddrl_jax.pretrain --config=configs/ocr_tiny.py --workdir=/tmp/ocr_pretrain
 
-The task supplies `init_model` (random weights when no base checkpoint exists yet) and
+The task supplies `init_untrained` (random weights; else `init_model`) and
 `pretrain_batch(step, B) -> (x0 (B, *S), cond)`, a deterministic stream, so a resumed run sees the same
 batches as an uninterrupted one. Loss: the velocity MSE (rl.diffusion_loss.velocity_loss) at
 t ~ sigmoid(N(0, 1)) (logit-normal, as SD3), unit weight, the condition dropped with probability
@@ -89,7 +89,8 @@ def pretrain(config, workdir, progress=True):
   task = tasks.get_task(config)
   mesh = parallel.make_mesh(config.mesh, jax.devices())
   key = jax.random.key(c.seed)
-  apply_fn, params = task.init_model(jax.random.fold_in(key, 0))
+  init = getattr(task, 'init_untrained', task.init_model)     # never from the base it is making
+  apply_fn, params = init(jax.random.fold_in(key, 0))
   schedule = optax.warmup_cosine_decay_schedule(0.0, c.learning_rate, c.warmup_steps, c.steps,
                                                 end_value=c.learning_rate * 0.05)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),

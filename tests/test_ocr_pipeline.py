@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny_config(**pre):
   c = ocr_tiny.get_config()
-  c.ocr.update(width=32, depth=1, heads=2, adaln_lora_dim=8, text_dim=16, base_checkpoint='')
+  c.ocr.update(width=32, depth=1, heads=2, adaln_lora_dim=8, text_dim=16, base_checkpoint='',
+               require_base=False)
   c.pretrain.update(steps=4, batch=8, warmup_steps=1, log_every=1, eval_every=4, eval_samples=8,
                     checkpoint_every=2)
   c.pretrain.update(pre)

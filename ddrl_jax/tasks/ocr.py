@@ -91,15 +91,20 @@ class OCRTask:
     return cosmos_t2i.CosmosT2I(self.model_cfg, rngs=nnx.Rngs(key))
 
   def init_model(self, key):
-    """(apply_fn, params): the base checkpoint when config.ocr.base_checkpoint exists, else random."""
-    model = self._build(key)
-    graphdef, params = nnx.split(model)
+    """(apply_fn, params): the base checkpoint config.ocr.base_checkpoint; random weights when it is ''
+    (or missing and config.ocr.require_base is False)."""
+    apply_fn, params = self.init_untrained(key)
     path = resolve(self.c.base_checkpoint)
     if path and os.path.exists(path):
       params = params_io.load_params(path, params, 'config.ocr.base_checkpoint')
     elif path and self.c.require_base:
       raise FileNotFoundError(f'config.ocr.base_checkpoint={self.c.base_checkpoint!r} does not exist; '
                               f'train it with python -m ddrl_jax.pretrain --config=configs/ocr_tiny.py')
+    return apply_fn, params
+
+  def init_untrained(self, key):
+    """(apply_fn, random params): what ddrl_jax.pretrain starts from."""
+    graphdef, params = nnx.split(self._build(key))
     return make_apply_fn(graphdef, self.c.min_t), params
 
   def abstract_params(self, key):
