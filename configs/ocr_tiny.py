@@ -50,6 +50,7 @@ def get_config(arg='ddrl'):
       width=128, depth=4, heads=4, mlp_ratio=4, adaln_lora_dim=32, patch=8,
       text_dim=64, text_length=8,
       min_t=0.05,                                    # x-prediction: v = (x_t - x0_hat) / max(t, min_t)
+      guidance=1.0,                                  # classifier-free guidance of the policy's x0_hat
       base_checkpoint='checkpoints/ocr_tiny_base',   # relative to the repository root
       require_base=True,                             # the RL job refuses to start from random weights
       data_seed=0,

@@ -23,6 +23,7 @@ from ddrl_jax.models import text as text_lib
 class T2IConfig:
   dit: cosmos_dit.CosmosDiTConfig
   text_length: int = 8
+  text_init_std: float = 1.0      # O(1) context from the first step (see text.ByteEmbedding)
 
 
 class CosmosT2I(nnx.Module):
@@ -32,7 +33,8 @@ class CosmosT2I(nnx.Module):
     if config.dit.crossattn_in is None:
       raise ValueError('CosmosT2I needs dit.crossattn_in (the byte-embedding width)')
     self.config = config
-    self.text = text_lib.ByteEmbedding(config.dit.crossattn_in, config.text_length, rngs=rngs)
+    self.text = text_lib.ByteEmbedding(config.dit.crossattn_in, config.text_length, rngs=rngs,
+                                       init_std=config.text_init_std)
     self.dit = cosmos_dit.CosmosDiT(config.dit, rngs=rngs)
 
   def __call__(self, x, t, ids):

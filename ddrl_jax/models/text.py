@@ -48,11 +48,21 @@ def encode_bytes(texts, max_length):
 
 
 class ByteEmbedding(nnx.Module):
-  """Learned per-byte embeddings plus learned positions: (B, L) ids -> (B, L, dim)."""
+  """Learned per-byte embeddings plus learned positions: (B, L) ids -> (B, L, dim).
 
-  def __init__(self, dim, max_length, *, rngs: nnx.Rngs):
-    self.tokens = nnx.Embed(PAD_BYTE + 1, dim, rngs=rngs)
-    self.positions = nnx.Param(0.02 * nnx.initializers.normal()(rngs.params(), (max_length, dim)))
+  init_std: None keeps nnx.Embed's default token init and 0.02-std positions; a trained text encoder
+  (tasks/ocr.py) uses 1.0 for both, so that the context reaching the DiT's cross-attention is O(1)
+  from the start (at the default scales a small DiT learned to ignore its text).
+  """
+
+  def __init__(self, dim, max_length, *, rngs: nnx.Rngs, init_std=None):
+    if init_std is None:
+      self.tokens = nnx.Embed(PAD_BYTE + 1, dim, rngs=rngs)
+      self.positions = nnx.Param(0.02 * nnx.initializers.normal()(rngs.params(), (max_length, dim)))
+    else:
+      normal = nnx.initializers.normal(init_std)
+      self.tokens = nnx.Embed(PAD_BYTE + 1, dim, embedding_init=normal, rngs=rngs)
+      self.positions = nnx.Param(normal(rngs.params(), (max_length, dim)))
 
   def __call__(self, ids):
     return self.tokens(ids) + self.positions[None, :ids.shape[1]]

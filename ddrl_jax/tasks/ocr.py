@@ -41,7 +41,7 @@ def model_config(c):
   return cosmos_t2i.T2IConfig(dit=dit, text_length=c.text_length)
 
 
-def make_apply_fn(graphdef, min_t):
+def make_apply_fn(graphdef, min_t, guidance=1.0):
   """apply_fn(params, x_t (B, 3, H, W), t (B,), ids (B, L)) -> velocity.
 
   The network predicts the clean image x0_hat (x-prediction) and the velocity is
@@ -49,10 +49,19 @@ def make_apply_fn(graphdef, min_t):
   is 128 wide: it cannot pass per-pixel noise through, which predicting v = noise - x0 directly
   needs at large t (its samples stayed noisy), while the clean image lies on a low-dimensional
   manifold that it can represent ("let denoising models denoise", Li & He 2025).
+  guidance != 1: classifier-free guidance, x0_hat = x0_null + guidance (x0_cond - x0_null), with the
+  null condition (all byte ids 0) the model learned through condition dropout; one forward of 2B.
   """
   def apply_fn(params, x_t, t, cond):
     params = jax.tree.map(lambda a: a, params)     # NNX Variables at this trace level (see video.py)
-    x0_hat = nnx.merge(graphdef, params)(x_t, t, cond)
+    model = nnx.merge(graphdef, params)
+    if guidance == 1.0:
+      x0_hat = model(x_t, t, cond)
+    else:
+      both = model(jnp.concatenate([x_t, x_t]), jnp.concatenate([jnp.reshape(t, (-1,))] * 2),
+                   jnp.concatenate([cond, jnp.zeros_like(cond)]))
+      x0_cond, x0_null = jnp.split(both, 2)
+      x0_hat = x0_null + guidance * (x0_cond - x0_null)
     tb = jnp.maximum(jnp.reshape(t, (-1,) + (1,) * (x_t.ndim - 1)), min_t)
     return (x_t - x0_hat) / tb
   return apply_fn
@@ -105,11 +114,11 @@ class OCRTask:
   def init_untrained(self, key):
     """(apply_fn, random params): what ddrl_jax.pretrain starts from."""
     graphdef, params = nnx.split(self._build(key))
-    return make_apply_fn(graphdef, self.c.min_t), params
+    return make_apply_fn(graphdef, self.c.min_t, self.c.guidance), params
 
   def abstract_params(self, key):
     graphdef, params = nnx.split(nnx.eval_shape(lambda: self._build(key)))
-    return make_apply_fn(graphdef, self.c.min_t), params
+    return make_apply_fn(graphdef, self.c.min_t, self.c.guidance), params
 
   # ------------------------------------------------------------------------------ conditions
   def ids_of(self, texts):
