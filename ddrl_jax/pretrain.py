@@ -5,7 +5,8 @@
 The task supplies `init_untrained` (random weights; else `init_model`) and
 `pretrain_batch(step, B) -> (x0 (B, *S), cond)`, a deterministic stream, so a resumed run sees the same
 batches as an uninterrupted one. Loss: the velocity MSE (rl.diffusion_loss.velocity_loss) at
-t ~ sigmoid(N(0, 1)) (logit-normal, as SD3), unit weight, the condition dropped with probability
+t ~ sigmoid(N(0, 1)) (logit-normal, as SD3), with unit weight (config.pretrain.loss='v') or weight
+max(t, min_t)^2 ('x0': the x0 MSE of an x-predicting model), the condition dropped with probability
 config.pretrain.cond_dropout. AdamW with warmup and cosine decay, an EMA of the weights, orbax
 checkpoints of the full state every `checkpoint_every` steps (resumed automatically), and a params-only
 export of the EMA weights (`export`, what config.ocr.base_checkpoint loads) next to them. Every
@@ -44,8 +45,11 @@ def make_step(apply_fn, optimizer, c):
     t = jax.nn.sigmoid(jax.random.normal(k_t, (x0.shape[0],)))
     noise = jax.random.normal(k_n, x0.shape, x0.dtype)
     cond = diffusion_loss.drop_condition(cond, k_d, c.cond_dropout)
-    return diffusion_loss.velocity_loss(apply_fn, params, x0, noise, t, cond,
-                                        jnp.ones_like(t)).mean()
+    # Weight t^2 turns the velocity MSE into the x0 MSE for an x-predicting model: every noise level
+    # counts alike. Unit weight (the v-loss) puts ~100x more weight on t ~ 0.1 than on t ~ 0.9, where
+    # the text decides the image, and the small OCR model then learned to ignore its text.
+    weight = jnp.maximum(t, c.min_t)**2 if c.loss == 'x0' else jnp.ones_like(t)
+    return diffusion_loss.velocity_loss(apply_fn, params, x0, noise, t, cond, weight).mean()
 
   @jax.jit
   def step(params, opt_state, ema, x0, cond, key):

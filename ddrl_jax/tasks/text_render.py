@@ -4,7 +4,7 @@ Legibility is made learnable on a CPU and the style left rich enough to be worth
   * text: 3-5 characters from ALPHABET (digits and capitals Tesseract reads reliably in this font: 0 and 9
     are left out, Tesseract read them right 53% and 88% of the time), in a monospace
     font (DejaVu Sans Mono, shipped inside matplotlib) with one character per CELL-pixel-wide cell, the
-    cells aligned to the model's patches (the string is centred in whole half-cells);
+    cells aligned to the model's patches (left-aligned half a cell in: character k is always in cell k);
   * style: background colour with a linear gradient at a random angle, a texture (none, stripes,
     checks or speckle), ink colour at a guaranteed contrast from the background (light-on-dark or
     dark-on-light), font size and weight, a small global position jitter, and pixel noise.
@@ -101,8 +101,10 @@ def _background(style, rng):
 
 
 def text_origin(text):
-  """x of the first cell: the string centred in whole half-cells (patch boundaries)."""
-  return int(round((WIDTH - CELL * len(text)) / 2 / (CELL // 2))) * (CELL // 2)
+  """x of the first cell: left-aligned one half-cell in, so character k always sits in cell k (its
+  patches do not depend on the string's length, which makes the text-to-patch mapping easy to learn)."""
+  del text
+  return CELL // 2
 
 
 def render(text, style, rng):
