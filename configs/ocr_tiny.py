@@ -59,6 +59,7 @@ def get_config(arg='ddrl'):
       seed=0, steps=20000, batch=64, learning_rate=1e-3, warmup_steps=500, weight_decay=0.0,
       ema_decay=0.999, cond_dropout=0.1, log_every=50, eval_every=1000, eval_samples=64,
       loss='x0', min_t=0.05,          # x0-space loss (see ddrl_jax/pretrain.py); min_t as ocr.min_t
+      t_dist='uniform',
       checkpoint_every=500,
   ))
   common.apply_algorithm_preset(c, 'ddrl' if arg == 'ddrl_synthetic' else arg)

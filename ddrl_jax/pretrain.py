@@ -5,7 +5,7 @@
 The task supplies `init_untrained` (random weights; else `init_model`) and
 `pretrain_batch(step, B) -> (x0 (B, *S), cond)`, a deterministic stream, so a resumed run sees the same
 batches as an uninterrupted one. Loss: the velocity MSE (rl.diffusion_loss.velocity_loss) at
-t ~ sigmoid(N(0, 1)) (logit-normal, as SD3), with unit weight (config.pretrain.loss='v') or weight
+t ~ U(0, 1) (config.pretrain.t_dist='uniform') or sigmoid(N(0, 1)) ('logit_normal', as SD3), with unit weight (config.pretrain.loss='v') or weight
 max(t, min_t)^2 ('x0': the x0 MSE of an x-predicting model), the condition dropped with probability
 config.pretrain.cond_dropout. AdamW with warmup and cosine decay, an EMA of the weights, orbax
 checkpoints of the full state every `checkpoint_every` steps (resumed automatically), and a params-only
@@ -42,7 +42,10 @@ def make_step(apply_fn, optimizer, c):
 
   def loss_fn(params, x0, cond, key):
     k_t, k_n, k_d = jax.random.split(key, 3)
-    t = jax.nn.sigmoid(jax.random.normal(k_t, (x0.shape[0],)))
+    if c.t_dist == 'uniform':       # every noise level alike, incl. t > 0.85 where only the text helps
+      t = jax.random.uniform(k_t, (x0.shape[0],), minval=1e-3, maxval=1.0)
+    else:                           # 'logit_normal' (SD3): t > 0.85 only ~4% of the time
+      t = jax.nn.sigmoid(jax.random.normal(k_t, (x0.shape[0],)))
     noise = jax.random.normal(k_n, x0.shape, x0.dtype)
     cond = diffusion_loss.drop_condition(cond, k_d, c.cond_dropout)
     # Weight t^2 turns the velocity MSE into the x0 MSE for an x-predicting model: every noise level
