@@ -340,7 +340,7 @@ class Trainer:
     batch = parallel.batch_sharding(self.mesh)
     if self.loader is None:
       cond = self.task.conditions(k_cond, c.batch_size)
-      x0, prompts = self.task.data(k_data, cond), self.task.prompts(cond)
+      x0, prompts = None, self.task.prompts(cond)     # x0 is made while the rewards are scored
     else:   # one record per group: its condition and clean sample, used by every trained step
       records = next(self.loader)
       cond, x0 = self.task.from_records(records, k_cond)
@@ -352,6 +352,8 @@ class Trainer:
     slot_prompts = [p for p in prompts for _ in range(c.num_rollouts)]
     pending = self.rewards.submit(media, slot_prompts)
     self.event('rewards_submitted', num=len(slot_prompts))
+    if x0 is None:
+      x0 = self.task.data(k_data, cond)
     data = jax.device_put(DataBatch(x0=x0, cond=cond), parallel.replicated(self.mesh))
     return RolloutBatch(traj=traj, rewards=None, cond=slots), pending, valid, data
 
