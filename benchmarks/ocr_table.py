@@ -22,9 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from configs import ocr_tiny
+from ddrl_jax import config as config_lib
 from ddrl_jax import evaluate as evaluate_lib
 from ddrl_jax import image_grid
 from ddrl_jax import trainer as trainer_lib
+from ddrl_jax import rl as rl_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLUMNS = ('ocr_heldout', 'ocr_heldout_exact', 'style_drift', 'diversity', 'heldout_diffusion_loss')
@@ -34,7 +36,9 @@ def evaluate(config, trainer, args, method, iteration, rows, seconds):
   metrics, grid = evaluate_lib.evaluate_ocr(config, trainer.apply_fn, trainer.state.params,
                                             trainer.task, prompts=args.prompts,
                                             per_prompt=args.per_prompt)
-  row = dict(method=method, iteration=iteration, train_seconds=seconds, **metrics)
+  nfe_rollout, nfe_train = nfe_per_condition(config) if method != 'base' else (0, 0)
+  row = dict(method=method, iteration=iteration, train_seconds=seconds, nfe_rollout=nfe_rollout,
+             nfe_train=nfe_train, **metrics)
   rows.append(row)
   print(json.dumps({k: row[k] for k in ('method', 'iteration', 'train_seconds') + COLUMNS}),
         flush=True)
@@ -82,16 +86,37 @@ def plot(rows, path):
   fig.savefig(path, dpi=120)
 
 
+def nfe_per_condition(config):
+  """(rollout, training) network evaluations per condition and iteration, as the paper's Table 3 counts.
+
+  Training: N|T| policy calls, plus N|T| data-loss calls for DDRL (N for 'reduced') or N|T| frozen
+  reference calls for FlowGRPO's KL; a call with a backward pass counts once. Classifier-free guidance
+  doubles every call.
+  """
+  algo = rl_lib.get_algorithm(config.algorithm)
+  pool = config_lib.train_steps(config)
+  k = len(pool) if algo.step_selection == 'fixed' else max(1, int(len(pool) * config.rl.train_fraction))
+  n, g = config.num_rollouts, (1 if config.ocr.guidance == 1.0 else 2)
+  extra = 0
+  if algo.uses_data and config.rl.data_beta > 0:
+    extra = n if config.rl.data_loss_steps == 'reduced' else n * k
+  elif config.algorithm == 'flow_grpo' and config.rl.kl_beta > 0:
+    extra = n * k
+  return n * config.sampler.num_steps * g, (n * k + extra) * g
+
+
 def table(rows, nfe):
   last = {}
   for r in rows:
     last[r['method']] = r
   lines = ['| method | OCR (held-out) | exact | style drift | diversity | held-out diffusion loss | '
-           'NFE / image | train time |', '|---' * 8 + '|']
+           'NFE / image (eval) | NFE / condition / iteration (rollout + training) | train time |',
+           '|---' * 9 + '|']
   for m, r in last.items():
     lines.append(f"| {m} | {r['ocr_heldout']:.3f} | {r['ocr_heldout_exact']:.3f} | "
                  f"{r['style_drift']:.2f} | {r['diversity']:.2f} (data {r['data_diversity']:.2f}) | "
-                 f"{r['heldout_diffusion_loss']:.4f} | {nfe} | {r['train_seconds'] / 60:.1f} min |")
+                 f"{r['heldout_diffusion_loss']:.4f} | {nfe} | {r['nfe_rollout']} + {r['nfe_train']} | "
+                 f"{r['train_seconds'] / 60:.1f} min |")
   return '\n'.join(lines)
 
 
@@ -116,7 +141,7 @@ def main():
       for r in rows:
         f.write(json.dumps(dict(meta, **r)) + '\n')
   plot(rows, os.path.join(args.out, 'ocr_table.png'))
-  print(table(rows, ocr_tiny.get_config().sampler.num_steps))
+  print(table(rows, evaluate_lib.nfe_per_image(ocr_tiny.get_config())))
 
 
 if __name__ == '__main__':

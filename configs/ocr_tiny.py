@@ -33,7 +33,7 @@ def get_config(arg='ddrl'):
   c.eval_samples = 64
 
   c.sampler.kind = 'flow_sde'
-  c.sampler.num_steps = 20
+  c.sampler.num_steps = 10          # FlowGRPO's training-time steps; DDRL trains steps 0, 2, 4, 6, 8
   c.sampler.shift = 1.0
   c.sampler.noise_level = 0.7
 
@@ -56,7 +56,7 @@ def get_config(arg='ddrl'):
       data_seed=0,
   ))
   c.pretrain = ml_collections.ConfigDict(dict(
-      seed=0, steps=20000, batch=64, learning_rate=1e-3, warmup_steps=500, weight_decay=0.0,
+      seed=0, steps=7000, batch=64, learning_rate=1e-3, warmup_steps=300, weight_decay=0.0,
       ema_decay=0.999, cond_dropout=0.1, log_every=50, eval_every=1000, eval_samples=64,
       loss='x0', min_t=0.05,          # x0-space loss (see ddrl_jax/pretrain.py); min_t as ocr.min_t
       t_dist='uniform',

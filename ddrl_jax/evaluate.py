@@ -78,6 +78,11 @@ def load_params(config, checkpoint, ema=False):
   return task, apply_fn, params_io.load_params(checkpoint, template, '--checkpoint')
 
 
+def nfe_per_image(config):
+  """Network evaluations per sample: one per sampler step, two with classifier-free guidance."""
+  return int(config.sampler.num_steps) * (1 if config.ocr.guidance == 1.0 else 2)
+
+
 def heldout_diffusion_loss(task, apply_fn, params, num=128, seed=7):
   """Mean velocity MSE on `num` held-out real renders at t = 0.1, 0.2, ..., 0.9 with fixed noise."""
   texts, images = text_render.batch(seed, range(num), 'heldout')
@@ -127,7 +132,7 @@ def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, se
       data_style_drift=ocr_metrics.style_drift(ocr_metrics.batch_stats(other_images), data_stats),
       diversity=ocr_metrics.group_diversity(gen_stats.reshape(prompts, per_prompt, -1), data_stats),
       data_diversity=ocr_metrics.group_diversity(data_groups, data_stats),
-      finite_fraction=float(finite.mean()), nfe_per_image=int(config.sampler.num_steps))
+      finite_fraction=float(finite.mean()), nfe_per_image=nfe_per_image(config))
   out.update({f'stat/{n}': float(v) for n, v in zip(ocr_metrics.STAT_NAMES, gen_stats.mean(0))})
   grid = images[:min(8, prompts) * per_prompt]
   return out, grid

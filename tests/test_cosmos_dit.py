@@ -200,3 +200,38 @@ def test_bf16_forward_runs():
   x = jnp.ones((1, 16, 2, H, W), jnp.bfloat16)
   out = nnx.jit(lambda m, x: m(x, jnp.full((1, 2), 0.3), jnp.ones((1, L, CROSS_IN))))(model, x)
   assert out.dtype == jnp.bfloat16 and bool(jnp.isfinite(out.astype(jnp.float32)).all())
+
+
+def test_extra_learnable_positions_match_diffusers(monkeypatch):
+  """`extra_pos_embed` (Cosmos' extra_per_block_abs_pos_emb) against diffusers' 'learnable' type."""
+  torch.manual_seed(1)
+  model = tc.CosmosTransformer3DModel(
+      in_channels=17, out_channels=16, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+      num_layers=LAYERS, mlp_ratio=4.0, text_embed_dim=CTX, adaln_lora_dim=LORA, max_size=(16, 32, 32),
+      patch_size=(1, 2, 2), rope_scale=(1.0, 3.0, 3.0), concat_padding_mask=True,
+      extra_pos_embed_type='learnable', use_crossattn_projection=True, crossattn_proj_in_channels=CROSS_IN,
+      encoder_hidden_states_channels=CTX).eval()
+  model = cosmos_names.randomize_cosmos_torch(model)
+  sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+  assert any('pos_emb_h' in k for k in sd)
+  config = _config(extra_pos_embed=True, extra_pos_max_size=(16, 16, 16))
+  ours_model = cosmos_convert.merge_params(config, cosmos_convert.convert_diffusers_state_dict(sd, config))
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((B, 16, 2, H, W)).astype(np.float32)
+  t = rng.uniform(0.05, 1.0, (B, 2)).astype(np.float32)
+  ctx = rng.standard_normal((B, L, CROSS_IN)).astype(np.float32)
+  cond = np.zeros((B, 1, 2, H, W), np.float32)
+  pad = np.zeros((1, 1, 2 * H, 2 * W), np.float32)
+  ours = np.asarray(ours_model(jnp.asarray(x), jnp.asarray(t), jnp.asarray(ctx), jnp.asarray(cond),
+                               jnp.asarray(pad)))
+  ref = _torch_forward(model, x, t, ctx, cond, pad, monkeypatch)
+  np.testing.assert_allclose(ours, ref, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
+  # Without the table the output changes: the positions are used.
+  no_pos = _config()
+  plain = cosmos_convert.merge_params(no_pos, cosmos_convert.convert_diffusers_state_dict(
+      {k: v for k, v in sd.items() if 'pos_emb' not in k}, no_pos))
+  other = np.asarray(plain(jnp.asarray(x), jnp.asarray(t), jnp.asarray(ctx), jnp.asarray(cond),
+                           jnp.asarray(pad)))
+  assert np.abs(other - ref).max() > 1e-2
+  with pytest.raises(ValueError, match='extra_pos_max_size'):
+    cd.LearnablePosEmbAxis(_config(extra_pos_embed=True, extra_pos_max_size=(1, 2, 2)), nnx.Rngs(0))(1, 3, 2)

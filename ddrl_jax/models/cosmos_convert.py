@@ -40,6 +40,7 @@ def _diffusers_rules():
       (r'norm_out\.linear_1\.weight', 'final_layer/adaln_modulation/linear_1/kernel', 'linear'),
       (r'norm_out\.linear_2\.weight', 'final_layer/adaln_modulation/linear_2/kernel', 'linear'),
       (r'proj_out\.weight', 'final_layer/linear/kernel', 'linear'),
+      (r'learnable_pos_embed\.pos_emb_([thw])', 'extra_pos_embedder/pos_emb_{0}', 'vector'),
       (blk + r'ff\.net\.0\.proj\.weight', 'blocks/mlp/layer1/kernel', 'linear'),
       (blk + r'ff\.net\.2\.weight', 'blocks/mlp/layer2/kernel', 'linear'),
   ]
@@ -70,6 +71,7 @@ def _cosmos_rules():
       (r'net\.final_layer\.adaln_modulation\.2\.weight', 'final_layer/adaln_modulation/linear_2/kernel',
        'linear'),
       (r'net\.final_layer\.linear\.weight', 'final_layer/linear/kernel', 'linear'),
+      (r'net\.extra_pos_embedder\.pos_emb_([thw])', 'extra_pos_embedder/pos_emb_{0}', 'vector'),
       (blk + r'mlp\.layer([12])\.weight', 'blocks/mlp/layer{0}/kernel', 'linear'),
       (blk + r'(self_attn|cross_attn)\.(q_proj|k_proj|v_proj|output_proj)\.weight', 'blocks/{0}/{1}/kernel',
        'linear'),
@@ -92,7 +94,7 @@ def _match(key, rules):
     groups = m.groups()
     if template.startswith('blocks/'):
       return tuple(template.format(*groups[1:]).split('/')), int(groups[0]), kind
-    return tuple(template.split('/')), None, kind
+    return tuple(template.format(*groups).split('/')), None, kind
   return None
 
 

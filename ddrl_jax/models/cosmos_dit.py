@@ -58,6 +58,11 @@ class CosmosDiTConfig:
   param_dtype: Any = jnp.float32
   remat_policy: str = 'full'
   attention_impl: str | None = None
+  # Cosmos' `extra_per_block_abs_pos_emb` (off in Predict2.5-2B/14B): learned per-axis absolute positions,
+  # summed, RMS-normalized and added to the residual at the start of every block; tables of
+  # extra_pos_max_size = (T', H', W') tokens. RoPE alone gives attention only relative positions.
+  extra_pos_embed: bool = False
+  extra_pos_max_size: tuple[int, int, int] = (128, 128, 128)
 
   @property
   def head_dim(self):
@@ -294,13 +299,44 @@ class Block(nnx.Module):
     out = fn(h.reshape(b, t * hw, d)).reshape(b, t, hw, d)
     return x + gate * out.astype(jnp.float32)
 
-  def __call__(self, x, context, emb, lora, rope):
-    """x (B, T', H'W', D) float32, context (B, L, context_dim), emb/lora (B, T', D/3D) -> like x."""
+  def __call__(self, x, context, emb, lora, rope, extra_pos=None):
+    """x (B, T', H'W', D) float32, context (B, L, context_dim), emb/lora (B, T', D/3D) -> like x.
+
+    extra_pos: None or (T', H'W', D) absolute positions added to x first (`LearnablePosEmbAxis`).
+    """
+    if extra_pos is not None:
+      x = x + extra_pos
     x = self._sublayer(x, self.adaln_modulation_self_attn(emb, lora),
                        lambda h: self.self_attn(h, h, rope))
     x = self._sublayer(x, self.adaln_modulation_cross_attn(emb, lora),
                        lambda h: self.cross_attn(h, context))
     return self._sublayer(x, self.adaln_modulation_mlp(emb, lora), self.mlp)
+
+
+class LearnablePosEmbAxis(nnx.Module):
+  """pos_emb_t[t] + pos_emb_h[h] + pos_emb_w[w], RMS-normalized over D: (t, h, w) -> (t, h*w, D) float32.
+
+  The normalization follows diffusers' CosmosLearnablePositionalEmbed (models/transformers/
+  transformer_cosmos.py): emb / (eps + ||emb|| / sqrt(D)).
+  """
+
+  def __init__(self, cfg, rngs):
+    init = nnx.initializers.truncated_normal(0.02)
+    self.eps = cfg.norm_eps
+    self.max_size = cfg.extra_pos_max_size
+    mt, mh, mw = cfg.extra_pos_max_size
+    d = cfg.model_channels
+    self.pos_emb_t = nnx.Param(init(rngs.params(), (mt, d), cfg.param_dtype))
+    self.pos_emb_h = nnx.Param(init(rngs.params(), (mh, d), cfg.param_dtype))
+    self.pos_emb_w = nnx.Param(init(rngs.params(), (mw, d), cfg.param_dtype))
+
+  def __call__(self, t, h, w):
+    if t > self.max_size[0] or h > self.max_size[1] or w > self.max_size[2]:
+      raise ValueError(f'token grid {(t, h, w)} exceeds extra_pos_max_size={self.max_size}')
+    emb = (self.pos_emb_t[:t, None, None] + self.pos_emb_h[None, :h, None]
+           + self.pos_emb_w[None, None, :w]).astype(jnp.float32)
+    rms = jnp.sqrt(jnp.mean(jnp.square(emb), -1, keepdims=True))
+    return (emb / (self.eps + rms)).reshape(t, h * w, -1)
 
 
 class TimestepEmbedder(nnx.Module):
@@ -359,6 +395,9 @@ class CosmosDiT(nnx.Module):
     if cfg.crossattn_in is not None:
       self.crossattn_proj = _linear(cfg.crossattn_in, cfg.context_dim, ('crossattn_in', 'cross_embed'),
                                     rngs, dtype=cfg.dtype, param_dtype=cfg.param_dtype, bias=True)
+    self.extra_pos_embedder = nnx.data(None)
+    if cfg.extra_pos_embed:
+      self.extra_pos_embedder = LearnablePosEmbAxis(cfg, rngs)
     self.blocks = _stacked_blocks(cfg, rngs)
     self.final_layer = FinalLayer(cfg, rngs)
 
@@ -375,14 +414,14 @@ class CosmosDiT(nnx.Module):
     bt, tt, hh, ww, _ = tokens.shape
     return self.x_embedder(tokens).reshape(bt, tt, hh * ww, -1)
 
-  def _run_blocks(self, x, context, emb, lora, rope):
+  def _run_blocks(self, x, context, emb, lora, rope, extra_pos=None):
     """Scans the stacked blocks over the float32 residual x (B, T', H'W', D)."""
     policy_name = self.config.remat_policy
     if policy_name not in REMAT_POLICIES:
       raise ValueError(f'remat_policy={policy_name!r} not in {sorted(REMAT_POLICIES)}')
 
     def body(block, carry):
-      return block(carry, context, emb, lora, rope)
+      return block(carry, context, emb, lora, rope, extra_pos)
 
     if policy_name != 'none':
       body = nnx.remat(body, policy=REMAT_POLICIES[policy_name], prevent_cse=False)
@@ -409,6 +448,9 @@ class CosmosDiT(nnx.Module):
     if self.crossattn_proj is not None:
       context = jax.nn.gelu(self.crossattn_proj(context), approximate=False)
     rope = rope_cos_sin(cfg, t, h // ph, w // pw)
-    hidden = self._run_blocks(tokens.astype(jnp.float32), context, emb, lora, rope)
+    extra_pos = None
+    if self.extra_pos_embedder is not None:
+      extra_pos = self.extra_pos_embedder(t, h // ph, w // pw)
+    hidden = self._run_blocks(tokens.astype(jnp.float32), context, emb, lora, rope, extra_pos)
     out = self.final_layer(hidden, emb, lora).reshape(b, t, h // ph, w // pw, -1)
     return unpatchify(out, cfg.patch, c).astype(x.dtype)

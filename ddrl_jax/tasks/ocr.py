@@ -35,6 +35,10 @@ def model_config(c):
       mlp_ratio=c.mlp_ratio, adaln_lora_dim=c.adaln_lora_dim, patch=(1, c.patch, c.patch),
       crossattn_in=c.text_dim, context_dim=c.width, rope_h_ratio=1.0, rope_w_ratio=1.0,
       rope_t_ratio=1.0, remat_policy='none',
+      # Learned absolute positions: character k is drawn in cell k, which a query can only find by its
+      # absolute column (RoPE makes self-attention relative). Without them the text was ignored for
+      # thousands of steps (benchmarks/RESULTS.md).
+      extra_pos_embed=True, extra_pos_max_size=(1, text_render.HEIGHT // c.patch, text_render.WIDTH // c.patch),
       # Sinusoids of 1000 t (DiT's scale): at Cosmos' scale of t in [0, 1] the embedding's fastest
       # frequency is 1 radian per unit t, too coarse for a small model to tell t = 0.05 from 0.1.
       timestep_scale=1000.0)
