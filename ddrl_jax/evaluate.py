@@ -98,8 +98,15 @@ def heldout_diffusion_loss(task, apply_fn, params, num=128, seed=7):
   return float(np.mean(values))
 
 
-def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, seed=0):
-  """The metrics of the module docstring and a (P, K) grid of images."""
+def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, seed=0,
+                 reference_stats=None, return_stats=False):
+  """The metrics of the module docstring and a (P, K) grid of images.
+
+  reference_stats: (M, S) image statistics of another model's samples of the same prompts and seed
+  (e.g. the base model's, from return_stats=True); adds `style_drift_from_reference`, the style change
+  that training caused, next to `style_drift` (the distance to the data).
+  return_stats: also return this model's (M, S) statistics.
+  """
   mesh = parallel.make_mesh(config.mesh, jax.devices())
   sample = trainer_lib.make_sample_fn(trainer_lib.make_sampler(config), apply_fn, task.sample_shape,
                                       mesh)
@@ -133,9 +140,11 @@ def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, se
       diversity=ocr_metrics.group_diversity(gen_stats.reshape(prompts, per_prompt, -1), data_stats),
       data_diversity=ocr_metrics.group_diversity(data_groups, data_stats),
       finite_fraction=float(finite.mean()), nfe_per_image=nfe_per_image(config))
+  if reference_stats is not None:
+    out['style_drift_from_reference'] = ocr_metrics.style_drift(gen_stats, reference_stats)
   out.update({f'stat/{n}': float(v) for n, v in zip(ocr_metrics.STAT_NAMES, gen_stats.mean(0))})
   grid = images[:min(8, prompts) * per_prompt]
-  return out, grid
+  return (out, grid, gen_stats) if return_stats else (out, grid)
 
 
 def _define_flags():

@@ -9,7 +9,7 @@ def test_readme_starts_with_two_commands():
   text = open(README).read()
   first_block = re.search(r'```bash\n(.*?)```', text, re.S).group(1).strip().splitlines()
   assert len(first_block) == 2
-  assert 'python -m ddrl_jax.train --config=configs/toy2d.py' in first_block[0]
+  assert 'python -m ddrl_jax.train --config=configs/ocr_tiny.py' in first_block[0]
   assert 'python -m pytest' in first_block[1]
   assert text.index('```bash') < text.index('```python')
 
