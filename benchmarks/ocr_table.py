@@ -109,7 +109,7 @@ def nfe_per_condition(config):
   algo = rl_lib.get_algorithm(config.algorithm)
   pool = config_lib.train_steps(config)
   k = len(pool) if algo.step_selection == 'fixed' else max(1, int(len(pool) * config.rl.train_fraction))
-  n, g = config.num_rollouts, (1 if config.ocr.guidance == 1.0 else 2)
+  n, g = config.num_rollouts, evaluate_lib.guidance_factor(config)
   extra = 0
   if algo.uses_data and config.rl.data_beta > 0:
     extra = n if config.rl.data_loss_steps == 'reduced' else n * k

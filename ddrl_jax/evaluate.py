@@ -78,9 +78,27 @@ def load_params(config, checkpoint, ema=False):
   return task, apply_fn, params_io.load_params(checkpoint, template, '--checkpoint')
 
 
+def guidance_factor(config):
+  """Network evaluations per model call: 2 with classifier-free guidance (conditional + null), else 1."""
+  return 1 if config.ocr.guidance == 1.0 else 2
+
+
 def nfe_per_image(config):
-  """Network evaluations per sample: one per sampler step, two with classifier-free guidance."""
-  return int(config.sampler.num_steps) * (1 if config.ocr.guidance == 1.0 else 2)
+  """Network evaluations per sample: one model call per sampler step."""
+  return int(config.sampler.num_steps) * guidance_factor(config)
+
+
+def sample_images(config, apply_fn, params, task, texts, seed=0):
+  """(len(texts), H, W, 3) uint8 images of the config's sampler and a (len(texts),) finite mask; the
+  batch is padded to a multiple of the data-parallel size and cut back."""
+  mesh = parallel.make_mesh(config.mesh, jax.devices())
+  sample = trainer_lib.make_sample_fn(trainer_lib.make_sampler(config), apply_fn, task.sample_shape,
+                                      mesh)
+  padded = list(texts) + [texts[-1]] * (-len(texts) % parallel.data_parallel_size(mesh))
+  cond = jax.device_put(jnp.asarray(task.ids_of(padded)), parallel.batch_sharding(mesh))
+  samples = np.asarray(sample(params, cond, jax.random.key(seed))).reshape(
+      (len(padded),) + task.sample_shape)[:len(texts)]
+  return task.reward_inputs(samples, None)
 
 
 def heldout_diffusion_loss(task, apply_fn, params, num=128, seed=7):
@@ -107,20 +125,12 @@ def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, se
   that training caused, next to `style_drift` (the distance to the data).
   return_stats: also return this model's (M, S) statistics.
   """
-  mesh = parallel.make_mesh(config.mesh, jax.devices())
-  sample = trainer_lib.make_sample_fn(trainer_lib.make_sampler(config), apply_fn, task.sample_shape,
-                                      mesh)
   reward = ocr_reward.OCRReward(**dict(config.reward.kwargs.get('ocr', {})))
   rng = np.random.default_rng(seed)
   held = [text_render.sample_text(rng, 'heldout') for _ in range(prompts)]
   fgrpo = flowgrpo_targets(FLOWGRPO_PROMPTS)
   texts = [t for t in held for _ in range(per_prompt)] + fgrpo
-  dp = parallel.data_parallel_size(mesh)
-  padded = texts + [texts[-1]] * (-len(texts) % dp)
-  cond = jax.device_put(jnp.asarray(task.ids_of(padded)), parallel.batch_sharding(mesh))
-  samples = np.asarray(sample(params, cond, jax.random.key(seed))).reshape(
-      (len(padded),) + task.sample_shape)[:len(texts)]
-  images, finite = task.reward_inputs(samples, None)
+  images, finite = sample_images(config, apply_fn, params, task, texts, seed)
   scores = np.where(finite, reward(images, [text_render.prompt_of(t) for t in texts]), 0.0)
   n_held = len(held) * per_prompt
   gen_stats = ocr_metrics.batch_stats(images[:n_held])

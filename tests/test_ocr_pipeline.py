@@ -10,7 +10,6 @@ import numpy as np
 
 from configs import ocr_tiny
 from ddrl_jax import metrics as metrics_lib
-from ddrl_jax import parallel
 from ddrl_jax import pretrain
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.tasks import ocr
@@ -126,11 +125,7 @@ def test_shipped_base_is_legible_and_text_conditioned():
   from ddrl_jax.tasks import text_render  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(3)
   texts = [text_render.sample_text(rng, 'heldout') for _ in range(16)]
-  mesh = parallel.make_mesh(c.mesh, jax.devices())
-  sample = trainer_lib.make_sample_fn(trainer_lib.make_sampler(c), apply_fn, task.sample_shape, mesh)
-  ids = jax.device_put(np.asarray(task.ids_of(texts)), parallel.batch_sharding(mesh))
-  samples = np.asarray(sample(params, ids, jax.random.key(1))).reshape((16,) + task.sample_shape)
-  images, _ = task.reward_inputs(samples, None)
+  images, _ = evaluate_lib.sample_images(c, apply_fn, params, task, texts, seed=1)
   reward = ocr_reward.OCRReward()
   own = reward(images, [text_render.prompt_of(t) for t in texts]).mean()
   swapped = reward(images, [text_render.prompt_of(t) for t in texts[1:] + texts[:1]]).mean()
