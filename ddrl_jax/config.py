@@ -37,6 +37,11 @@ def validate(config, num_devices):
          'need N >= 2 rollouts per group for a group-relative advantage')
   _check(config.batch_size >= 1, 'batch_size', config.batch_size, 'need at least one group')
   _check(config.num_iterations >= 0, 'num_iterations', config.num_iterations, 'must be >= 0')
+  for key in ('log_every', 'checkpoint_every', 'max_checkpoints', 'max_nonfinite_steps'):
+    _check(config[key] >= 1, key, config[key], 'must be >= 1')
+  _check(config.eval_every >= -1, 'eval_every', config.eval_every,
+         'must be >= 0 (0: at the start and the end only) or -1 (no evaluation at step 0)')
+  _check(config.eval_samples >= 1, 'eval_samples', config.eval_samples, 'must be >= 1')
   kind = sampler_kind(config)
   _check(kind in sampling.KINDS, 'sampler.kind', kind, f'unknown sampler; known: {sampling.KINDS}')
   num_steps = config.sampler.num_steps

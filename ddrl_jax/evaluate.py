@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
+from ddrl_jax import cli
 from ddrl_jax import parallel
 from ddrl_jax import image_grid
 from ddrl_jax import params_io
@@ -188,4 +189,4 @@ def main(argv):
 
 if __name__ == '__main__':
   _define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,7 +1,10 @@
 """Per-step metrics: averaged with clu.metrics, written as JSONL and (if tensorboardX is installed)
-TensorBoard events under the workdir."""
+TensorBoard events under the workdir. A resumed run first drops what the steps it re-runs had written,
+so metrics.jsonl holds each step once and TensorBoard purges the re-run steps' events."""
 import json
 import os
+
+from absl import logging
 
 import numpy as np
 from clu import metrics as clu_metrics
@@ -17,18 +20,61 @@ def average_metrics(per_step):
   return {k: float(v.compute()) for k, v in acc.items()}
 
 
-class MetricWriter:
-  """Appends {'step': ..., **scalars} lines to <workdir>/metrics.jsonl and TensorBoard scalars."""
+def truncate_metrics(path, last_kept_step):
+  """Rewrites a metrics.jsonl without the rows of steps > last_kept_step (and any torn line a kill
+  left), atomically. Returns the number of rows dropped."""
+  if not os.path.exists(path):
+    return 0
+  kept, dropped = [], 0
+  with open(path) as f:
+    for line in f:
+      try:
+        rec = json.loads(line)
+        keep = line.endswith('\n') and rec['step'] <= last_kept_step
+      except (ValueError, KeyError, TypeError):
+        keep = False
+      if keep:
+        kept.append(line)
+      else:
+        dropped += 1
+  if dropped:
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+  return dropped
 
-  def __init__(self, workdir):
+
+class MetricWriter:
+  """Appends {'step': ..., **scalars} lines to <workdir>/metrics.jsonl and TensorBoard scalars.
+
+  resume_step: the step the run restarts from; rows and TensorBoard events written after it by an
+  earlier (interrupted) run are dropped first. None: append (pretraining's own resume does the same).
+  """
+
+  def __init__(self, workdir, resume_step=None):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, 'metrics.jsonl')
+    purge_step = None
+    if resume_step is not None:
+      # Step 0 holds only the initial evaluation, which a run starting at 0 writes again.
+      last_kept = resume_step if resume_step > 0 else -1
+      dropped = truncate_metrics(self.path, last_kept)
+      if dropped:
+        logging.warning('metrics.jsonl: dropped %d rows after step %d (they are re-run)', dropped,
+                        last_kept)
+      purge_step = last_kept + 1
     self._file = open(self.path, 'a')
     try:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+      self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'), purge_step=purge_step)
     except ImportError:
       self._tb = None
+
+  def flush(self):
+    self._file.flush()
+    if self._tb is not None:
+      self._tb.flush()
 
   def write(self, step, scalars):
     scalars = {k: float(v) for k, v in scalars.items()}

@@ -11,6 +11,8 @@ config.pretrain.cond_dropout. AdamW with warmup and cosine decay, an EMA of the 
 checkpoints of the full state every `checkpoint_every` steps (resumed automatically), and a params-only
 export of the EMA weights (`export`, what config.ocr.base_checkpoint loads) next to them. Every
 `eval_every` steps the task evaluates EMA samples (deterministic sampler) and an image grid is written.
+SIGTERM / SIGINT finish the running step, save the checkpoint and export, and exit 0 (a second signal
+exits at once); rerunning the same command resumes, and metrics.jsonl drops the rows of re-run steps.
 """
 import os
 import queue
@@ -28,10 +30,12 @@ import optax
 import orbax.checkpoint as ocp
 import tqdm
 
+from ddrl_jax import cli
 from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import params_io
 from ddrl_jax import parallel
+from ddrl_jax import preemption
 from ddrl_jax import tasks
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.rl import diffusion_loss
@@ -92,6 +96,7 @@ def evaluate(task, apply_fn, params, sampler, num, key, mesh):
 
 
 def pretrain(config, workdir, progress=True):
+  """Runs (or resumes) pretraining to config.pretrain.steps; returns the EMA parameters."""
   c = config.pretrain
   task = tasks.get_task(config)
   mesh = parallel.make_mesh(config.mesh, jax.devices())
@@ -112,11 +117,13 @@ def pretrain(config, workdir, progress=True):
     logging.warning('resumed pretraining at step %d', start)
   step_fn = make_step(apply_fn, optimizer, c)
   sampler = trainer_lib.make_sampler(config).deterministic()
-  writer = metrics_lib.MetricWriter(workdir)
+  writer = metrics_lib.MetricWriter(workdir, resume_step=start)
   bar = tqdm.tqdm(total=c.steps, initial=start, disable=not progress, desc='pretrain', dynamic_ncols=True)
   losses, t0 = [], time.perf_counter()
   p, o, e = state['params'], state['opt_state'], state['ema']
+  guard = preemption.PreemptionGuard()
   try:
+    guard.__enter__()
     for s, (x0, cond) in _prefetch(task, start, c.batch):
       if s >= c.steps:
         break
@@ -137,11 +144,19 @@ def pretrain(config, workdir, progress=True):
         writer.write(done, {f'eval_ema/{k}': v for k, v in metrics.items()})
         image_grid.write_grid(os.path.join(workdir, 'samples', f'step_{done:07d}.png'), images)
         logging.warning('step %d: %s', done, metrics)
-      if done % c.checkpoint_every == 0 or done == c.steps:
+      stop = guard.should_stop(done)
+      if done % c.checkpoint_every == 0 or done == c.steps or stop:
         mngr.save(done, args=ocp.args.StandardSave(dict(params=p, opt_state=o, ema=e)), force=True)
         mngr.wait_until_finished()
         params_io.save_params(os.path.join(workdir, 'export'), e)
+      if stop:
+        writer.flush()
+        logging.warning('stopped by %s after step %d of %d; saved checkpoint %d in %s. Rerun the same '
+                        'command to resume.', guard.received, done, c.steps, done,
+                        os.path.join(os.path.abspath(workdir), 'checkpoints'))
+        break
   finally:
+    guard.__exit__(None, None, None)
     bar.close()
     mngr.wait_until_finished()
     writer.close()
@@ -165,4 +180,4 @@ def main(argv):
 
 if __name__ == '__main__':
   _define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,27 +1,37 @@
 """CLI: python -m ddrl_jax.train --config=configs/toy2d.py[:preset] --workdir=DIR [--config.key=value ...]
 
-Rerunning with the same workdir resumes from its latest checkpoint.
+Rerunning with the same workdir resumes from its newest usable checkpoint. SIGTERM or SIGINT (Ctrl-C)
+finishes the running iteration, saves a checkpoint and exits 0 with a line saying how to resume; a
+second signal exits at once.
 """
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from ddrl_jax import cli
 from ddrl_jax import trainer as trainer_lib
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (get_config(arg)).',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and samples go here.')
-flags.mark_flags_as_required(['config', 'workdir'])
+
+def _define_flags():
+  """Defined only when run as a script, so importing this module adds no global absl flags."""
+  global _CONFIG, _WORKDIR
+  _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (get_config(arg)).',
+                                            lock_config=True)
+  _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and samples go here.')
+  flags.mark_flags_as_required(['config', 'workdir'])
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments {argv[1:]} (flags are --name=value)')
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  metrics = trainer_lib.Trainer(_CONFIG.value, _WORKDIR.value).train()
-  if metrics:
+  trainer = trainer_lib.Trainer(_CONFIG.value, _WORKDIR.value)
+  metrics = trainer.train()
+  if trainer.stopped_by is None and metrics:
     print('final: ' + ' '.join(f'{k}={v:.4g}' for k, v in sorted(metrics.items())))
 
 
 if __name__ == '__main__':
-  app.run(main)
+  _define_flags()
+  app.run(main, flags_parser=cli.parse_flags)

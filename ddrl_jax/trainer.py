@@ -3,9 +3,17 @@
 One iteration: B conditions -> N rollouts each (jitted, scan over T, vmap over N) -> decoded samples
 submitted to the reward service -> the diffusion-loss gradient, computed while the rewards are pending ->
 the policy gradient once they arrive, added to it in the jitted update -> AdamW -> power EMA.
+
+Fault tolerance: SIGTERM/SIGINT stop after the current iteration with a checkpoint (ddrl_jax.preemption);
+a resume restores the newest checkpoint that passes its integrity record and whose config matches
+(ddrl_jax.checkpoints), moving damaged ones aside, and re-runs the lost steps exactly (every key derives
+from the root key and the step). Setting DDRL_EVENT_LOG=<file> appends each iteration event there
+(benchmarks/fault_tolerance.py uses it to kill the process at chosen moments).
 """
+import json
 import logging
 import os
+import shutil
 import time
 from typing import Any, NamedTuple
 
@@ -16,11 +24,13 @@ import optax
 import orbax.checkpoint as ocp
 import tqdm
 
+from ddrl_jax import checkpoints as checkpoints_lib
 from ddrl_jax import config as config_lib
 from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import optim
 from ddrl_jax import parallel
+from ddrl_jax import preemption
 from ddrl_jax import rewards as rewards_lib
 from ddrl_jax import rl as rl_lib
 from ddrl_jax import sampling
@@ -167,10 +177,11 @@ def make_update_fns(apply_fn, sampler, config, optimizer):
     weights = jnp.asarray(list(config.reward.fns.values()), jnp.float32)
     for i, name in enumerate(config.reward.fns):
       metrics[f'reward/{name}'] = valid[..., i].sum() / num_valid
+    params_finite = jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)]))
     metrics.update(
         reward_mean=(valid @ weights).sum() / num_valid,
         failed_rewards=failed.sum(), adv_mean=advantages.mean(), adv_abs_mean=jnp.abs(advantages).mean(),
-        grad_norm=optax.tree.norm(grads), nonfinite_grads=nonfinite,
+        grad_norm=optax.tree.norm(grads), nonfinite_grads=nonfinite, params_finite=params_finite,
         learning_rate=lr_schedule(state.step), nfe_rollout=traj.nfe.mean())
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema,
                            ref_params=state.ref_params)
@@ -217,10 +228,26 @@ def make_sample_fn(sampler, apply_fn, sample_shape, mesh):
       in_shardings=(rep, batch, rep), out_shardings=batch)
 
 
+def _event_logger(path):
+  """A hook appending '{"event": name, "time": t, **info}' lines to `path`, flushed at once."""
+  f = open(path, 'a', buffering=1)
+
+  def hook(name, info):
+    f.write(json.dumps({'event': name, 'time': time.time(), 'pid': os.getpid(), **info},
+                       default=str) + '\n')
+    f.flush()
+
+  return hook
+
+
 def _state_to_tree(state, rng):
   tree = {k: v for k, v in state._asdict().items() if v is not None}
   tree['rng'] = jax.random.key_data(rng)
   return tree
+
+
+class NonFiniteTrainingError(RuntimeError):
+  """The loss or the parameters stayed non-finite for config.max_nonfinite_steps updates in a row."""
 
 
 class Trainer:
@@ -236,9 +263,8 @@ class Trainer:
     self.sampler = make_sampler(config)
     self.optimizer = optim.make_optimizer(config.optim)
     self.rng = jax.random.key(config.seed)
-    self.ckpt = ocp.CheckpointManager(
-        os.path.join(self.workdir, 'checkpoints'),
-        options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints, create=True))
+    self.ckpt_dir = os.path.join(self.workdir, 'checkpoints')
+    self.ckpt = self._checkpoint_manager()
     self.loader = self.make_loader()
     self.apply_fn = None
     self.state = None
@@ -246,6 +272,15 @@ class Trainer:
     self._failed_batches = 0       # consecutive batches without one scored sample
     self.events = []               # (name, time, info) of the current iteration
     self.event_hooks = []          # callables (name, info), called at each event
+    self.iteration = None          # the iteration running now (events carry it)
+    self.stopped_by = None         # the signal that stopped the last train() early, if any
+    if os.environ.get('DDRL_EVENT_LOG'):
+      self.event_hooks.append(_event_logger(os.environ['DDRL_EVENT_LOG']))
+
+  def _checkpoint_manager(self):
+    return ocp.CheckpointManager(
+        self.ckpt_dir,
+        options=ocp.CheckpointManagerOptions(max_to_keep=self.config.max_checkpoints, create=True))
 
   def make_loader(self):
     """The record loader of config.data.path (one batch of B records per iteration), or None."""
@@ -264,40 +299,106 @@ class Trainer:
 
   # ------------------------------------------------------------------------------------- state
   def restore_or_init(self):
-    """Restores the latest checkpoint of the workdir, or builds the initial state. Returns its step."""
+    """Restores the newest usable checkpoint of the workdir, or builds the initial state. Returns its step.
+
+    Newest first, a checkpoint is skipped (with a warning naming it) when its files fail their
+    integrity record or orbax cannot read it, and the damaged ones are moved to
+    `checkpoints_damaged/` once an older one restores. A checkpoint written with another config
+    raises `checkpoints.IncompatibleCheckpoint`; if every checkpoint is damaged the run stops with
+    `checkpoints.DamagedCheckpoint` rather than start again from step 0.
+    """
     model_key = jax.random.fold_in(self.rng, 0x6D6F64)
-    latest = self.ckpt.latest_step()
-    if latest is None:
+    steps = sorted(self.ckpt.all_steps(), reverse=True)
+    if not steps:
       self.apply_fn, params = self.task.init_model(model_key)
       self.state = init_train_state(params, self.config, self.optimizer)
     else:
       self.apply_fn, abstract_params = self.task.abstract_params(model_key)
-      abstract_state = jax.eval_shape(
-          lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
-      target = _state_to_tree(abstract_state, self.rng)
-      # Restore onto this run's mesh, whatever topology wrote the checkpoint (e.g. 8 devices -> 1).
-      rep = parallel.replicated(self.mesh)
-      target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), target)
-      items = dict(state=ocp.args.StandardRestore(target))
-      if self.loader is not None:
-        if 'data' not in self.ckpt.item_metadata(latest):
-          raise ValueError(f'checkpoint {latest} in {self.workdir} has no data-iterator state, but '
-                           f'config.data.path is set: it was written by a run without records')
-        items['data'] = data_pipeline.restore_args(self.loader)   # restores the loader in place
-      restored = self.ckpt.restore(latest, args=ocp.args.Composite(**items))['state']
-      self.rng = jax.random.wrap_key_data(restored.pop('rng'))
-      self.state = TrainState(**{f: restored.get(f) for f in TrainState._fields})
+      damaged = []
+      for step in steps:
+        try:
+          self._restore(step, abstract_params)
+          break
+        except checkpoints_lib.IncompatibleCheckpoint:
+          raise
+        except Exception as e:  # pylint: disable=broad-except  (any read failure = damaged)
+          why = f'{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ""}'
+          logging.warning('checkpoint %s is damaged (%s); trying an older one',
+                          self._step_dir(step), why)
+          damaged.append((step, why))
+      else:
+        listing = '; '.join(f'{self._step_dir(s)}: {why}' for s, why in damaged)
+        raise checkpoints_lib.DamagedCheckpoint(
+            f'every checkpoint in {self.ckpt_dir} is damaged ({listing}). Not starting again from '
+            f'step 0: move {self.ckpt_dir} away to do that.')
+      if damaged:
+        self._set_aside([s for s, _ in damaged])
+      logging.warning('resuming %s from step %d', self.workdir, int(self.state.step))
     # Copy: the jitted step donates its state, which must not free arrays the task still holds.
     self.state = jax.device_put(jax.tree.map(jnp.copy, self.state), parallel.replicated(self.mesh))
     return int(self.state.step)
 
+  def _step_dir(self, step):
+    return os.path.join(self.ckpt_dir, str(step))
+
+  def _restore(self, step, abstract_params):
+    """Restores checkpoint `step` into self.state / self.rng (and the loader), after checking it."""
+    path = self._step_dir(step)
+    if checkpoints_lib.is_local(path):
+      checkpoints_lib.verify(path)
+    metadata = self.ckpt.item_metadata(step)
+    if 'config' not in metadata:
+      raise checkpoints_lib.DamagedCheckpoint(f'{path}: no config item')
+    saved = self.ckpt.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+    for key, old, new in checkpoints_lib.check_compatible(saved, self.config.to_dict(), path):
+      logging.warning('resuming %s with %s changed: %r -> %r', path, key, old, new)
+    abstract_state = jax.eval_shape(
+        lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
+    target = _state_to_tree(abstract_state, self.rng)
+    # Restore onto this run's mesh, whatever topology wrote the checkpoint (e.g. 8 devices -> 1).
+    rep = parallel.replicated(self.mesh)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), target)
+    items = dict(state=ocp.args.StandardRestore(target))
+    if self.loader is not None:
+      if 'data' not in metadata:
+        raise checkpoints_lib.IncompatibleCheckpoint(
+            f'{path} has no data-iterator state, but config.data.path is set: it was written by a '
+            f'run without records')
+      items['data'] = data_pipeline.restore_args(self.loader)   # restores the loader in place
+    restored = self.ckpt.restore(step, args=ocp.args.Composite(**items))['state']
+    rng = jax.random.wrap_key_data(restored.pop('rng'))
+    state = TrainState(**{f: restored.get(f) for f in TrainState._fields})
+    if int(state.step) != step:
+      raise checkpoints_lib.DamagedCheckpoint(f'{path}: holds step {int(state.step)}, not {step}')
+    self.rng, self.state = rng, state
+
+  def _set_aside(self, steps):
+    """Moves damaged step directories to <workdir>/checkpoints_damaged/ (a later save reuses the step)."""
+    if jax.process_index() == 0:
+      dest = os.path.join(self.workdir, 'checkpoints_damaged')
+      os.makedirs(dest, exist_ok=True)
+      for step in steps:
+        target = os.path.join(dest, f'{step}_{time.strftime("%Y%m%d-%H%M%S")}')
+        shutil.move(self._step_dir(step), target)
+        logging.warning('moved damaged checkpoint %s to %s', self._step_dir(step), target)
+    self.ckpt.close()
+    self.ckpt = self._checkpoint_manager()
+
   def save(self):
+    """Saves the state (and loader and config) at its step, waits for the commit, then records the
+    files' integrity. Synchronous, so a stop or kill after it returns never loses this step."""
     step = int(self.state.step)
+    self.event('checkpoint_start', step=step)
     items = dict(state=ocp.args.StandardSave(_state_to_tree(self.state, self.rng)),
                  config=ocp.args.JsonSave(self.config.to_dict()))
     if self.loader is not None:
       items['data'] = data_pipeline.save_args(self.loader)
     self.ckpt.save(step, args=ocp.args.Composite(**items), force=True)
+    self.ckpt.wait_until_finished()
+    path = self._step_dir(step)
+    if self.config.checkpoint_checksums and jax.process_index() == 0 and checkpoints_lib.is_local(path):
+      checkpoints_lib.write_integrity(path)
+    self.event('checkpoint_done', step=step)
 
   # --------------------------------------------------------------------------------------- loop
   def _build(self):
@@ -322,6 +423,8 @@ class Trainer:
 
   def event(self, name, **info):
     """Records a named point of the current iteration (and calls the hooks, e.g. a test's)."""
+    if self.iteration is not None:
+      info.setdefault('it', self.iteration)
     self.events.append((name, time.perf_counter(), info))
     for hook in self.event_hooks:
       hook(name, info)
@@ -441,39 +544,79 @@ class Trainer:
     image_grid.write_grid(os.path.join(self.workdir, 'samples', f'{name}_{it:06d}.png'), media, columns)
 
   def train(self, progress=True):
-    """Runs (or resumes) to config.num_iterations; returns the last logged metrics."""
+    """Runs (or resumes) to config.num_iterations; returns the last logged metrics.
+
+    A SIGTERM or SIGINT (or, on several hosts, JAX's preemption sync point) ends the loop after the
+    running iteration with a checkpoint of it; `self.stopped_by` then names the signal.
+    """
     c = self.config
     start = self.restore_or_init()
+    self.event('restored', step=start)
     self._build()
-    writer = metrics_lib.MetricWriter(self.workdir)
+    writer = metrics_lib.MetricWriter(self.workdir, resume_step=start)
     last = {}
-    if start == 0 and c.eval_every >= 0:
-      writer.write(0, self.evaluate(0))
     window = []
+    bad_streak = 0                 # consecutive updates whose loss or parameters are non-finite
+    self.stopped_by = None
     bar = tqdm.tqdm(total=c.num_iterations, initial=start, disable=not progress, desc=c.algorithm,
                     dynamic_ncols=True)
     try:
-      for it in range(start, c.num_iterations):
-        metrics = self.train_iteration(it)
-        step = it + 1
-        writer.write(step, metrics)
-        window.append(metrics)
-        last = metrics
-        bar.update(1)
-        if step % c.log_every == 0 or step == c.num_iterations:
-          avg = metrics_lib.average_metrics(window)
-          window = []
-          bar.set_postfix(reward=f"{avg['reward_mean']:.3f}", loss=f"{avg['loss']:.4g}")
-        if c.eval_every > 0 and step % c.eval_every == 0 or step == c.num_iterations:
-          writer.write(step, self.evaluate(step))
-        if step % c.checkpoint_every == 0 or step == c.num_iterations:
-          self.save()
+      with preemption.PreemptionGuard() as guard:
+        if start == 0 and c.eval_every >= 0:
+          writer.write(0, self.evaluate(0))
+        for it in range(start, c.num_iterations):
+          self.iteration = it
+          self.event('iteration_start')
+          metrics = self.train_iteration(it)
+          step = it + 1
+          writer.write(step, metrics)
+          window.append(metrics)
+          last = metrics
+          bar.update(1)
+          finite = bool(np.isfinite(metrics['loss'])) and metrics['params_finite'] == 1.0
+          bad_streak = 0 if finite else bad_streak + 1
+          if bad_streak:
+            self._check_nonfinite(step, bad_streak, metrics)
+          if step % c.log_every == 0 or step == c.num_iterations:
+            avg = metrics_lib.average_metrics(window)
+            window = []
+            bar.set_postfix(reward=f"{avg['reward_mean']:.3f}", loss=f"{avg['loss']:.4g}")
+          if not bad_streak and (c.eval_every > 0 and step % c.eval_every == 0 or
+                                 step == c.num_iterations):
+            writer.write(step, self.evaluate(step))
+          stop = guard.should_stop(step)
+          if not bad_streak and (step % c.checkpoint_every == 0 or step == c.num_iterations or stop):
+            self.save()
+          if stop:
+            self.stopped_by = guard.received
+            writer.flush()
+            where = (f'checkpoint {self._step_dir(step)}' if not bad_streak else
+                     f'the last finite checkpoint (step {self.ckpt.latest_step()})')
+            logging.warning('stopped by %s after step %d of %d; saved %s. Rerun the same command '
+                            'to resume.', guard.received, step, c.num_iterations, where)
+            break
     finally:
+      self.iteration = None
       bar.close()
       self.ckpt.wait_until_finished()
       writer.close()
       self.close_rewards()
     return last
+
+  def _check_nonfinite(self, step, streak, metrics):
+    """Logs a non-finite update; raises NonFiniteTrainingError after config.max_nonfinite_steps."""
+    what = ', '.join(k for k, bad in (('loss', not np.isfinite(metrics['loss'])),
+                                      ('parameters', metrics['params_finite'] != 1.0)) if bad)
+    logging.warning('step %d: non-finite %s (%d in a row; %d non-finite gradient entries zeroed); '
+                    'not checkpointed', step, what, streak, int(metrics['nonfinite_grads']))
+    if streak >= self.config.max_nonfinite_steps:
+      latest = self.ckpt.latest_step()
+      kept = (f'the last good checkpoint, step {latest}, is kept in {self.ckpt_dir}'
+              if latest is not None else 'no checkpoint was written before it')
+      raise NonFiniteTrainingError(
+          f'non-finite {what} for {streak} updates in a row (config.max_nonfinite_steps = '
+          f'{self.config.max_nonfinite_steps}), up to step {step}; {kept}. Lower '
+          f'config.optim.learning_rate or check the rewards and data.')
 
   def close_rewards(self):
     if self.rewards is not None:

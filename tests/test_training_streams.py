@@ -2,14 +2,20 @@
 failed rewards counted, and record data (synthesized by the base model) consumed once, resumably."""
 import os
 
+import chex
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 from test_trainer import small_config  # tests/test_trainer.py
 
+from ddrl_jax import config as config_lib
 from ddrl_jax import metrics as metrics_lib
+from ddrl_jax import optim
 from ddrl_jax import rewards
+from ddrl_jax import rl as rl_lib
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.data import records as records_lib
 from ddrl_jax.data import synthesize
@@ -34,8 +40,10 @@ def test_rewards_are_pending_while_the_data_gradient_computes(tmp_path):
   trainer.event_hooks.append(hook)
   trainer.train(progress=False)
   names = [n for n, _ in seen]
-  assert names == ['rollout_done', 'rewards_submitted', 'data_grad_done', 'rewards_ready',
-                   'update_done'] * 2
+  iteration = ['iteration_start', 'rollout_done', 'rewards_submitted', 'data_grad_done',
+               'rewards_ready', 'update_done']
+  assert names == ['restored'] + iteration * 2 + ['checkpoint_start', 'checkpoint_done']
+  assert [info['it'] for n, info in seen if n == 'update_done'] == [0, 1]
   assert all(info['rewards_pending'] for n, info in seen if n == 'data_grad_done')
   rows = [r for r in metrics_lib.read_metrics(tmp_path / 'run') if 'loss' in r]
   assert [r['time_reward_overlap'] for r in rows] == [1.0, 1.0]
@@ -43,24 +51,72 @@ def test_rewards_are_pending_while_the_data_gradient_computes(tmp_path):
   assert all(r['data_loss'] > 0 for r in rows)
 
 
-def test_split_update_equals_fused_step():
-  c = small_config('ddrl')
+def _public_loss(config, apply_fn, sampler, traj, advantages, steps, cond, data, ref_params, key):
+  """The loss as a user of ddrl_jax.rl would write it: rl.ddrl_loss / rl.flow_grpo_loss directly."""
+  r = config.rl
+  if config.algorithm == 'ddrl':
+    term = rl_lib.DataTerm(x0=data.x0, cond=data.cond, beta=r.data_beta, steps=r.data_loss_steps,
+                           noise=r.data_noise, cond_dropout=r.cond_dropout, weighting=r.data_weighting)
+    return lambda p: rl_lib.ddrl_loss(apply_fn, p, sampler, traj, advantages, steps, cond, term, key,
+                                      clip_range=r.clip_range, log_ratio_form=r.log_ratio or 'cosmos',
+                                      loss_scale=r.loss_scale)
+  return lambda p: rl_lib.flow_grpo_loss(apply_fn, p, ref_params, sampler, traj, advantages, steps, cond,
+                                         key, kl_beta=r.kl_beta, clip_range=r.clip_range,
+                                         log_ratio_form=r.log_ratio or 'gaussian',
+                                         loss_scale=r.loss_scale)
+
+
+@pytest.mark.parametrize('preset', ['ddrl', 'flow_grpo'])
+def test_trainer_update_equals_value_and_grad_of_the_public_loss(preset):
+  """The trainer's split update (data gradient first, policy gradient after the rewards) against
+  jax.value_and_grad of the public loss on the same inputs, then the same optimizer step."""
   from test_trainer import _batch_for  # pylint: disable=g-import-not-at-top
-  apply_fn, params, sampler, (traj, r, cond), data = _batch_for(c)
-  rollout = trainer_lib.flat_rollout_batch(traj, r, cond)
-  opt = trainer_lib.optim.make_optimizer(c.optim)
-  state = trainer_lib.init_train_state(params, c, opt)
+  c = small_config(preset)
+  c.optim.warmup_steps = 0                     # a full-size first step, so parameters move visibly
+  apply_fn, params, sampler, (traj, rewards, cond), data = _batch_for(c)
+  rewards = jnp.nan_to_num(rewards)            # failed samples are tested elsewhere
+  b, n = rewards.shape
+  rollout = trainer_lib.flat_rollout_batch(traj, rewards, cond)
   key = jax.random.key(3)
-  fused_state, fused = jax.jit(trainer_lib.make_train_step(apply_fn, sampler, c, opt))(
-      state, rollout, data, key)
-  data_grads, update = trainer_lib.make_update_fns(apply_fn, sampler, c, opt)
-  grads, data_metrics = jax.jit(data_grads)(params, rollout, data, key)
-  split_state, split = jax.jit(update)(state, rollout, grads, key)
-  split = trainer_lib.combine_metrics(split, data_metrics, c)
-  for k in ('loss', 'data_loss', 'pg_loss', 'grad_norm'):
-    np.testing.assert_allclose(split[k], fused[k], rtol=1e-6, err_msg=k)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8),
-               split_state.params, fused_state.params)
+  # The documented key contract: (k_steps, k_loss) = split(key); ddrl/flow_grpo train a fixed list.
+  _, k_loss = jax.random.split(key)
+  steps = jnp.broadcast_to(jnp.asarray(config_lib.train_steps(c), jnp.int32),
+                           (b, n, len(config_lib.train_steps(c))))
+  advantages = rl_lib.group_advantages(rewards.reshape(-1), group_size=n, clip=c.rl.adv_clip,
+                                       eps=c.rl.adv_eps).reshape(b, n)
+  ref_params = jax.tree.map(lambda x: x + 0.05 * jnp.sign(x), params)   # a reference != params: KL > 0
+  loss_fn = _public_loss(c, apply_fn, sampler, traj, advantages, steps, cond, data, ref_params, k_loss)
+  (want_loss, want_metrics), want_grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  assert all(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(want_grads))
+
+  def trainer_step(optimizer):
+    state = trainer_lib.init_train_state(params, c, optimizer)
+    if state.ref_params is not None:
+      state = state._replace(ref_params=ref_params)
+    data_grads, update = trainer_lib.make_update_fns(apply_fn, sampler, c, optimizer)
+    grads, data_metrics = jax.jit(data_grads)(params, rollout, data, key)
+    new_state, metrics = jax.jit(update)(state, rollout, grads, key)
+    return new_state, trainer_lib.combine_metrics(metrics, data_metrics, c)
+
+  # SGD with rate 1: the parameter change is minus the trainer's total gradient, entry by entry.
+  sgd_state, metrics = trainer_step(optax.sgd(1.0))
+  got_grads = jax.tree.map(lambda old, new: old - new, params, sgd_state.params)
+  chex.assert_trees_all_close(got_grads, want_grads, rtol=2e-5, atol=1e-7)
+  np.testing.assert_allclose(metrics['loss'], want_loss, rtol=1e-6)
+  np.testing.assert_allclose(metrics['grad_norm'], optax.global_norm(want_grads), rtol=1e-5)
+  for k in ('pg_loss', 'data_loss', 'kl'):
+    if k in want_metrics:
+      np.testing.assert_allclose(metrics[k], want_metrics[k], rtol=1e-6, err_msg=k)
+  assert ('kl' in metrics) == (preset == 'flow_grpo') and ('data_loss' in metrics) == (preset == 'ddrl')
+  # The configured optimizer: the same AdamW step built here from optax.
+  o = c.optim
+  adamw = optax.chain(optax.clip_by_global_norm(o.grad_clip),
+                      optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
+                                  weight_decay=o.weight_decay))
+  updates, _ = adamw.update(want_grads, adamw.init(params), params)
+  adam_state, _ = trainer_step(optim.make_optimizer(c.optim))
+  chex.assert_trees_all_close(adam_state.params, optax.apply_updates(params, updates), rtol=1e-6,
+                              atol=1e-8)
 
 
 def test_crashing_reward_is_counted_then_stops_training(tmp_path):

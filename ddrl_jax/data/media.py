@@ -44,7 +44,7 @@ def _load_video(path, max_frames):
     import imageio_ffmpeg  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError as e:
     raise MediaError(f'{path}: reading {os.path.splitext(path)[1]} videos needs imageio with ffmpeg '
-                     f'(pip install imageio imageio-ffmpeg): {e}') from e
+                     f"(pip install -e '.[video]'): {e}") from e
   frames = list(itertools.islice(iio.imiter(path, plugin='FFMPEG'), max_frames))
   if not frames:
     raise MediaError(f'{path}: no frames')

@@ -28,6 +28,7 @@ from ml_collections import config_flags
 import numpy as np
 import tqdm
 
+from ddrl_jax import cli
 from ddrl_jax.data import media as media_lib
 from ddrl_jax.data import records as records_lib
 
@@ -224,4 +225,5 @@ if __name__ == '__main__':
   _FLAGS = _define_flags()
   flags.mark_flags_as_required(['source', 'out'])
   app.run(lambda argv: main(_FLAGS) if len(argv) == 1 else
-          app.usage(shorthelp=True, detailed_error=f'unexpected arguments {argv[1:]}', exitcode=1))
+          app.usage(shorthelp=True, detailed_error=f'unexpected arguments {argv[1:]}', exitcode=1),
+          flags_parser=cli.parse_flags)

@@ -22,6 +22,7 @@ from ml_collections import config_flags
 import numpy as np
 import tqdm
 
+from ddrl_jax import cli
 from ddrl_jax import parallel
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.data import records as records_lib
@@ -116,4 +117,4 @@ def main(argv):
 if __name__ == '__main__':
   _define_flags()
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -65,8 +65,18 @@ def _converters(model):
 
 
 # ------------------------------------------------------------------------------------------ reading
+def _import_torch():
+  """torch (an extra: the trainer never needs it), or an ImportError naming the extra to install."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("ddrl_jax.models.convert reads .pt and .safetensors weights with torch: "
+                      "pip install -e '.[convert]'") from e
+  return torch
+
+
 def _tensor_to_numpy(t):
-  import torch
+  torch = _import_torch()
   t = t.detach()
   if t.is_floating_point():
     return t.to(torch.float32).numpy()
@@ -93,7 +103,7 @@ def _unpickle_detail(e):
 def load_torch_file(path):
   """{name: float32 numpy} of a torch .pt/.pth, loaded with weights_only=True (no arbitrary unpickling)."""
   import pickle
-  import torch
+  torch = _import_torch()
   try:
     try:
       obj = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
@@ -124,6 +134,7 @@ def load_torch_file(path):
 
 
 def load_safetensors_file(path, into=None):
+  _import_torch()    # framework='pt': bf16 tensors, which numpy cannot hold, go through torch
   from safetensors import safe_open
   out = {} if into is None else into
   with safe_open(path, framework='pt', device='cpu') as f:

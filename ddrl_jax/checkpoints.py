@@ -1,0 +1,132 @@
+"""Which checkpoint of a workdir may be resumed: integrity records and config compatibility.
+
+A checkpoint is one orbax step directory. Once orbax has committed it, `write_integrity` records the
+size and sha256 of every file in it (`ddrl_integrity.json`, written last and atomically), so a file that
+is later missing, truncated or altered is found by `verify` before anything is restored; orbax's own
+read errors catch damage in a checkpoint killed between the commit and that record. The config saved
+with the state is compared key by key with the run's config: only `SAFE_TO_CHANGE` keys may differ
+(logged), anything else (another model shape, algorithm, sampler, data) is an error naming the keys.
+"""
+import hashlib
+import json
+import os
+
+INTEGRITY = 'ddrl_integrity.json'
+
+# Keys a resumed run may change: budgets, logging, the learning-rate schedule, reward-service plumbing,
+# data-loader parallelism and the mesh (checkpoints restore onto any topology).
+SAFE_TO_CHANGE = (
+    'num_iterations', 'log_every', 'checkpoint_every', 'max_checkpoints', 'eval_every',
+    'eval_samples', 'max_nonfinite_steps', 'checkpoint_checksums',
+    'optim.learning_rate', 'optim.warmup_steps', 'optim.warmup_init_factor',
+    'reward.workers', 'reward.chunk_size', 'reward.chunk_timeout_s', 'reward.timeout_s',
+    'reward.max_failed_batches', 'reward.backend', 'reward.redis_url', 'reward.token_env',
+    'reward.retries', 'reward.task_ttl_s', 'data.worker_count', 'data.skip_bad', 'mesh.')
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be resumed; the message names its path."""
+
+
+class DamagedCheckpoint(CheckpointError):
+  """Missing, truncated or altered files, or a checkpoint orbax cannot read."""
+
+
+class IncompatibleCheckpoint(CheckpointError):
+  """A checkpoint written with another config (model shape, algorithm, ...)."""
+
+
+def _sha256(path, chunk=1 << 22):
+  h = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(chunk), b''):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _files(step_dir):
+  """Relative paths of every file under step_dir except the integrity record, sorted."""
+  out = []
+  for root, _, names in os.walk(step_dir):
+    for name in names:
+      rel = os.path.relpath(os.path.join(root, name), step_dir)
+      if rel != INTEGRITY:
+        out.append(rel)
+  return sorted(out)
+
+
+def is_local(path):
+  return '://' not in str(path)
+
+
+def write_integrity(step_dir):
+  """Records {relative path: [size, sha256]} of a committed step directory (atomically, last)."""
+  record = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _sha256(os.path.join(step_dir, rel))]
+            for rel in _files(step_dir)}
+  tmp = os.path.join(step_dir, INTEGRITY + '.tmp')
+  with open(tmp, 'w') as f:
+    json.dump(record, f, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, os.path.join(step_dir, INTEGRITY))
+
+
+def verify(step_dir):
+  """Raises DamagedCheckpoint naming the first file that is missing, truncated or altered.
+
+  Returns False (nothing checked) when the directory has no integrity record, True when it matched.
+  """
+  path = os.path.join(step_dir, INTEGRITY)
+  if not os.path.exists(path):
+    return False
+  try:
+    with open(path) as f:
+      record = json.load(f)
+  except (OSError, ValueError) as e:
+    raise DamagedCheckpoint(f'{path}: unreadable integrity record ({e})') from None
+  for rel, (size, digest) in sorted(record.items()):
+    full = os.path.join(step_dir, rel)
+    if not os.path.exists(full):
+      raise DamagedCheckpoint(f'{full}: missing')
+    actual = os.path.getsize(full)
+    if actual != size:
+      raise DamagedCheckpoint(f'{full}: {actual} bytes, {size} when written (truncated or replaced)')
+    if _sha256(full) != digest:
+      raise DamagedCheckpoint(f'{full}: contents changed since it was written (sha256 differs)')
+  return True
+
+
+def flatten(tree, prefix=''):
+  """{'a': {'b': 1}} -> {'a.b': 1}; tuples become lists (as JSON stores them)."""
+  out = {}
+  for k, v in tree.items():
+    key = f'{prefix}{k}'
+    if isinstance(v, dict) and v:
+      out.update(flatten(v, key + '.'))
+    else:
+      out[key] = json.loads(json.dumps(v, default=str))
+  return out
+
+
+def _safe(key):
+  return any(key == s or (s.endswith('.') and key.startswith(s)) for s in SAFE_TO_CHANGE)
+
+
+def config_differences(saved, current):
+  """(safe, unsafe): lists of (key, saved value, current value) between two config dicts."""
+  a, b = flatten(saved), flatten(current)
+  diffs = [(k, a.get(k, '<absent>'), b.get(k, '<absent>')) for k in sorted(set(a) | set(b))
+           if a.get(k, '<absent>') != b.get(k, '<absent>')]
+  return [d for d in diffs if _safe(d[0])], [d for d in diffs if not _safe(d[0])]
+
+
+def check_compatible(saved, current, step_dir):
+  """Raises IncompatibleCheckpoint listing the unsafe differences; returns the safe ones."""
+  safe, unsafe = config_differences(saved, current)
+  if unsafe:
+    shown = '; '.join(f'{k}: {v!r} in the checkpoint, {w!r} now' for k, v, w in unsafe[:8])
+    more = f' (and {len(unsafe) - 8} more)' if len(unsafe) > 8 else ''
+    raise IncompatibleCheckpoint(
+        f'{step_dir} was written with another config: {shown}{more}. Resume with the same config '
+        f'(only {", ".join(SAFE_TO_CHANGE)} may change), or use a new --workdir.')
+  return safe
