@@ -7,9 +7,10 @@ metrics, step for step, as a run never interrupted?
 For each config (small budgets, through the real CLI `python -m ddrl_jax.train`): one uninterrupted run,
 then `--kills` runs, each killed once with SIGKILL and resumed by the same command. Kills cycle through
 four phases of an iteration, read from the trainer's event log (DDRL_EVENT_LOG): during the rollout
-(after `iteration_start`), during the reward wait (after `data_grad_done`), during the update (after
-`rewards_ready`) and during a checkpoint save (after `checkpoint_start`), at a random iteration and a
-random delay within the phase's duration in the uninterrupted run. A run counts as identical when its
+(after `iteration_start`), while the rewards are pending (after `rewards_submitted`: the workers score
+while the trainer computes the data gradient, then waits), during the update (after `rewards_ready`)
+and during a checkpoint save (after `checkpoint_start`), at a random iteration and a random delay
+within the phase's duration in the uninterrupted run. A run counts as identical when its
 metrics.jsonl holds every step exactly once (train and eval rows) with values bit-equal to the
 uninterrupted run (the `time_*` keys excepted). Iterations lost per kill = iterations finished before the
 kill minus the step the resume restored. Trials append to --out (JSONL) as they finish; rerunning skips
@@ -39,7 +40,7 @@ CONFIGS = {
 # phase -> (event that starts it, event that ends it)
 PHASES = {
     'rollout': ('iteration_start', 'rollout_done'),
-    'reward_wait': ('data_grad_done', 'rewards_ready'),
+    'reward_wait': ('rewards_submitted', 'rewards_ready'),   # rewards pending (scored meanwhile)
     'update': ('rewards_ready', 'update_done'),
     'checkpoint': ('checkpoint_start', 'checkpoint_done'),
 }

@@ -14,10 +14,12 @@ import os
 INTEGRITY = 'ddrl_integrity.json'
 
 # Keys a resumed run may change: budgets, logging, the learning-rate schedule, reward-service plumbing,
-# data-loader parallelism and the mesh (checkpoints restore onto any topology).
+# data-loader parallelism, the mesh (checkpoints restore onto any topology), where the initial weights
+# came from (read only when starting from step 0) and the pretraining section (not read by the RL run).
 SAFE_TO_CHANGE = (
     'num_iterations', 'log_every', 'checkpoint_every', 'max_checkpoints', 'eval_every',
-    'eval_samples', 'max_nonfinite_steps', 'checkpoint_checksums',
+    'eval_samples', 'max_nonfinite_steps', 'checkpoint_checksums', 'pretrain.',
+    'ocr.base_checkpoint', 'ocr.require_base', 'cosmos.checkpoint',
     'optim.learning_rate', 'optim.warmup_steps', 'optim.warmup_init_factor',
     'reward.workers', 'reward.chunk_size', 'reward.chunk_timeout_s', 'reward.timeout_s',
     'reward.max_failed_batches', 'reward.backend', 'reward.redis_url', 'reward.token_env',

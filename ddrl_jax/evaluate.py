@@ -69,7 +69,7 @@ def load_params(config, checkpoint, ema=False):
     return task, apply_fn, params
   if os.path.isdir(os.path.join(checkpoint, 'checkpoints')):
     trainer = trainer_lib.Trainer(config, checkpoint)
-    trainer.restore_or_init()
+    trainer.restore_or_init(read_only=True)
     params = trainer.state.ema_params if ema else trainer.state.params
     if params is None:
       raise ValueError(f'--ema: {checkpoint} holds no EMA parameters')

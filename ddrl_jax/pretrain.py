@@ -121,42 +121,41 @@ def pretrain(config, workdir, progress=True):
   bar = tqdm.tqdm(total=c.steps, initial=start, disable=not progress, desc='pretrain', dynamic_ncols=True)
   losses, t0 = [], time.perf_counter()
   p, o, e = state['params'], state['opt_state'], state['ema']
-  guard = preemption.PreemptionGuard()
   try:
-    guard.__enter__()
-    for s, (x0, cond) in _prefetch(task, start, c.batch):
-      if s >= c.steps:
-        break
-      p, o, e, loss = step_fn(p, o, e, jnp.asarray(x0), jnp.asarray(cond), jax.random.fold_in(key, s))
-      losses.append(loss)
-      done = s + 1
-      bar.update(1)
-      if done % c.log_every == 0 or done == c.steps:
-        mean = float(np.mean(jax.device_get(losses)))
-        dt = time.perf_counter() - t0
-        writer.write(done, dict(pretrain_loss=mean, time_per_step=dt / len(losses),
-                                learning_rate=float(schedule(done))))
-        bar.set_postfix(loss=f'{mean:.4f}')
-        losses, t0 = [], time.perf_counter()
-      if done % c.eval_every == 0 or done == c.steps:
-        metrics, images = evaluate(task, apply_fn, e, sampler, c.eval_samples,
-                                   jax.random.fold_in(key, 0xE7A1), mesh)
-        writer.write(done, {f'eval_ema/{k}': v for k, v in metrics.items()})
-        image_grid.write_grid(os.path.join(workdir, 'samples', f'step_{done:07d}.png'), images)
-        logging.warning('step %d: %s', done, metrics)
-      stop = guard.should_stop(done)
-      if done % c.checkpoint_every == 0 or done == c.steps or stop:
-        mngr.save(done, args=ocp.args.StandardSave(dict(params=p, opt_state=o, ema=e)), force=True)
-        mngr.wait_until_finished()
-        params_io.save_params(os.path.join(workdir, 'export'), e)
-      if stop:
-        writer.flush()
-        logging.warning('stopped by %s after step %d of %d; saved checkpoint %d in %s. Rerun the same '
-                        'command to resume.', guard.received, done, c.steps, done,
-                        os.path.join(os.path.abspath(workdir), 'checkpoints'))
-        break
+    with preemption.PreemptionGuard() as guard:
+      for s, (x0, cond) in _prefetch(task, start, c.batch):
+        if s >= c.steps:
+          break
+        p, o, e, loss = step_fn(p, o, e, jnp.asarray(x0), jnp.asarray(cond),
+                                jax.random.fold_in(key, s))
+        losses.append(loss)
+        done = s + 1
+        bar.update(1)
+        if done % c.log_every == 0 or done == c.steps:
+          mean = float(np.mean(jax.device_get(losses)))
+          dt = time.perf_counter() - t0
+          writer.write(done, dict(pretrain_loss=mean, time_per_step=dt / len(losses),
+                                  learning_rate=float(schedule(done))))
+          bar.set_postfix(loss=f'{mean:.4f}')
+          losses, t0 = [], time.perf_counter()
+        if done % c.eval_every == 0 or done == c.steps:
+          metrics, images = evaluate(task, apply_fn, e, sampler, c.eval_samples,
+                                     jax.random.fold_in(key, 0xE7A1), mesh)
+          writer.write(done, {f'eval_ema/{k}': v for k, v in metrics.items()})
+          image_grid.write_grid(os.path.join(workdir, 'samples', f'step_{done:07d}.png'), images)
+          logging.warning('step %d: %s', done, metrics)
+        stop = guard.should_stop(done)
+        if done % c.checkpoint_every == 0 or done == c.steps or stop:
+          mngr.save(done, args=ocp.args.StandardSave(dict(params=p, opt_state=o, ema=e)), force=True)
+          mngr.wait_until_finished()
+          params_io.save_params(os.path.join(workdir, 'export'), e)
+        if stop:
+          writer.flush()
+          logging.warning('stopped by %s after step %d of %d; saved checkpoint %d in %s. Rerun the same '
+                          'command to resume.', guard.received, done, c.steps, done,
+                          os.path.join(os.path.abspath(workdir), 'checkpoints'))
+          break
   finally:
-    guard.__exit__(None, None, None)
     bar.close()
     mngr.wait_until_finished()
     writer.close()

@@ -298,7 +298,7 @@ class Trainer:
                                       worker_count=d.worker_count)
 
   # ------------------------------------------------------------------------------------- state
-  def restore_or_init(self):
+  def restore_or_init(self, read_only=False):
     """Restores the newest usable checkpoint of the workdir, or builds the initial state. Returns its step.
 
     Newest first, a checkpoint is skipped (with a warning naming it) when its files fail their
@@ -306,6 +306,9 @@ class Trainer:
     `checkpoints_damaged/` once an older one restores. A checkpoint written with another config
     raises `checkpoints.IncompatibleCheckpoint`; if every checkpoint is damaged the run stops with
     `checkpoints.DamagedCheckpoint` rather than start again from step 0.
+
+    read_only: for readers of a workdir (evaluation, sampling): config differences are logged, not
+    refused (the model's shapes must still match), and nothing is moved.
     """
     model_key = jax.random.fold_in(self.rng, 0x6D6F64)
     steps = sorted(self.ckpt.all_steps(), reverse=True)
@@ -317,7 +320,7 @@ class Trainer:
       damaged = []
       for step in steps:
         try:
-          self._restore(step, abstract_params)
+          self._restore(step, abstract_params, strict=not read_only)
           break
         except checkpoints_lib.IncompatibleCheckpoint:
           raise
@@ -331,7 +334,7 @@ class Trainer:
         raise checkpoints_lib.DamagedCheckpoint(
             f'every checkpoint in {self.ckpt_dir} is damaged ({listing}). Not starting again from '
             f'step 0: move {self.ckpt_dir} away to do that.')
-      if damaged:
+      if damaged and not read_only:
         self._set_aside([s for s, _ in damaged])
       logging.warning('resuming %s from step %d', self.workdir, int(self.state.step))
     # Copy: the jitted step donates its state, which must not free arrays the task still holds.
@@ -341,7 +344,7 @@ class Trainer:
   def _step_dir(self, step):
     return os.path.join(self.ckpt_dir, str(step))
 
-  def _restore(self, step, abstract_params):
+  def _restore(self, step, abstract_params, strict=True):
     """Restores checkpoint `step` into self.state / self.rng (and the loader), after checking it."""
     path = self._step_dir(step)
     if checkpoints_lib.is_local(path):
@@ -350,7 +353,11 @@ class Trainer:
     if 'config' not in metadata:
       raise checkpoints_lib.DamagedCheckpoint(f'{path}: no config item')
     saved = self.ckpt.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-    for key, old, new in checkpoints_lib.check_compatible(saved, self.config.to_dict(), path):
+    if strict:
+      changed = checkpoints_lib.check_compatible(saved, self.config.to_dict(), path)
+    else:
+      changed = sum(checkpoints_lib.config_differences(saved, self.config.to_dict()), [])
+    for key, old, new in changed:
       logging.warning('resuming %s with %s changed: %r -> %r', path, key, old, new)
     abstract_state = jax.eval_shape(
         lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
@@ -381,6 +388,9 @@ class Trainer:
         target = os.path.join(dest, f'{step}_{time.strftime("%Y%m%d-%H%M%S")}')
         shutil.move(self._step_dir(step), target)
         logging.warning('moved damaged checkpoint %s to %s', self._step_dir(step), target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices('ddrl_jax: damaged checkpoints set aside')
     self.ckpt.close()
     self.ckpt = self._checkpoint_manager()
 

@@ -10,6 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+TEST_TIMEOUT_S = 600   # a test running longer than this is a hang: it fails instead of stalling CI
+
+
+def pytest_configure(config):
+  if not config.pluginmanager.hasplugin('timeout'):
+    raise pytest.UsageError("the test suite needs pytest-timeout: pip install -e '.[test]'")
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    if item.get_closest_marker('timeout') is None:
+      item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
+
 
 def make_tiny_mlp(sample_shape=(2,), cond_dim=1, hidden=8, seed=0, out_scale=0.5):
   """A tiny tanh MLP velocity model.
@@ -58,3 +71,15 @@ def tiny_mlp():
 def tiny_mlp_factory():
   """`make_tiny_mlp(sample_shape=(2,), cond_dim=1, hidden=8, seed=0, out_scale=0.5)`."""
   return make_tiny_mlp
+
+
+@pytest.fixture(scope='session')
+def trained(tmp_path_factory):
+  """A toy2d DDRL workdir trained 4 iterations on one device: checkpoints 2 and 4 with their integrity
+  records (tests copy it before damaging or resuming it)."""
+  from test_trainer import small_config  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path_factory.mktemp('trained') / 'run'
+  trainer_lib.Trainer(small_config('ddrl', num_iterations=4), workdir,
+                      devices=jax.devices()[:1]).train(progress=False)
+  return workdir

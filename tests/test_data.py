@@ -264,7 +264,7 @@ def test_mp4_is_read_with_imageio_ffmpeg(tmp_path):
 def test_mp4_without_imageio_names_the_file_and_the_install(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, 'imageio_ffmpeg', None)     # import fails as if not installed
   path = str(tmp_path / 'clip.mp4')
-  with pytest.raises(media.MediaError, match=rf'^{path}: .*pip install imageio imageio-ffmpeg'):
+  with pytest.raises(media.MediaError, match=rf"^{path}: .*pip install -e '\.\[video\]'"):
     media.load_media(path)
 
 

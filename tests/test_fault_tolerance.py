@@ -13,6 +13,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from test_bad_inputs import _state_file  # tests/test_bad_inputs.py
 from test_trainer import small_config  # tests/test_trainer.py
 
 from ddrl_jax import checkpoints as checkpoints_lib
@@ -134,30 +135,16 @@ def test_a_second_signal_exits_at_once(tmp_path):
 
 
 # ------------------------------------------------------------------------- in-process checkpoints
-@pytest.fixture(scope='module')
-def four_steps(tmp_path_factory):
-  """A workdir trained 4 iterations (checkpoints 2 and 4) and its metrics."""
-  workdir = tmp_path_factory.mktemp('four') / 'run'
-  trainer_lib.Trainer(small_config('ddrl', num_iterations=4), workdir,
-                      devices=jax.devices()[:1]).train(progress=False)
-  return workdir
-
-
 def _copy(src, tmp_path):
   dst = tmp_path / 'copy'
   shutil.copytree(src, dst)
   return dst
 
 
-def largest_state_file(step_dir):
-  files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, 'state')) for f in fs]
-  return max(files, key=os.path.getsize)
-
-
-def test_damaged_latest_checkpoint_falls_back_and_reruns_its_steps_exactly(four_steps, tmp_path,
+def test_damaged_latest_checkpoint_falls_back_and_reruns_its_steps_exactly(trained, tmp_path,
                                                                            caplog):
-  workdir = _copy(four_steps, tmp_path)
-  path = largest_state_file(workdir / 'checkpoints' / '4')
+  workdir = _copy(trained, tmp_path)
+  path = _state_file(workdir / 'checkpoints' / '4')
   with open(path, 'r+b') as f:
     f.truncate(os.path.getsize(path) // 2)
   trainer = trainer_lib.Trainer(small_config('ddrl', num_iterations=4), workdir,
@@ -171,7 +158,7 @@ def test_damaged_latest_checkpoint_falls_back_and_reruns_its_steps_exactly(four_
   raw = [json.loads(l)['step'] for l in open(workdir / 'metrics.jsonl')]
   assert raw == sorted(raw) and len(raw) == len(set(
       (r['step'], any(k.startswith('eval') for k in r)) for r in rows))    # each step once
-  want = {r['step']: r for r in metrics_lib.read_metrics(four_steps) if 'loss' in r}
+  want = {r['step']: r for r in metrics_lib.read_metrics(trained) if 'loss' in r}
   got = {r['step']: r for r in rows if 'loss' in r}
   assert sorted(got) == [1, 2, 3, 4]
   for step in (3, 4):
@@ -181,8 +168,8 @@ def test_damaged_latest_checkpoint_falls_back_and_reruns_its_steps_exactly(four_
   assert checkpoints_lib.verify(str(workdir / 'checkpoints' / '4'))      # rewritten, recorded again
 
 
-def test_nonfinite_training_stops_and_keeps_the_last_good_checkpoint(four_steps, tmp_path):
-  workdir = _copy(four_steps, tmp_path)
+def test_nonfinite_training_stops_and_keeps_the_last_good_checkpoint(trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
   # learning_rate may change on resume; 1e39 overflows float32 and sends the parameters to inf.
   c = small_config('ddrl', num_iterations=8, max_nonfinite_steps=2, **{'optim.learning_rate': 1e39})
   trainer = trainer_lib.Trainer(c, workdir, devices=jax.devices()[:1])
@@ -196,3 +183,36 @@ def test_nonfinite_training_stops_and_keeps_the_last_good_checkpoint(four_steps,
   again = trainer_lib.Trainer(small_config('ddrl', num_iterations=8), workdir, devices=jax.devices()[:1])
   assert again.restore_or_init() == 4
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(again.state.params))
+
+
+def test_pretrain_sigterm_saves_exits_0_and_resumes(tmp_path):
+  workdir = tmp_path / 'pretrain'
+  metrics = workdir / 'metrics.jsonl'
+  args = [sys.executable, '-m', 'ddrl_jax.pretrain', '--config=configs/ocr_tiny.py',
+          f'--workdir={workdir}', '--config.pretrain.batch=8', '--config.pretrain.log_every=1',
+          '--config.pretrain.eval_every=100000', '--config.pretrain.checkpoint_every=100000']
+
+  def run_then_sigterm(rows):
+    """Runs the command until metrics.jsonl has `rows` rows, then SIGTERM; returns its stderr."""
+    log = open(tmp_path / 'log.txt', 'w')
+    proc = subprocess.Popen(args, cwd=ROOT, stderr=log)
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count('\n') >= rows) and time.time() < deadline:
+      time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    err = open(tmp_path / 'log.txt').read()
+    assert proc.returncode == 0, err[-3000:]
+    return err
+
+  err = run_then_sigterm(2)
+  saved = sorted(int(s) for s in os.listdir(workdir / 'checkpoints') if s.isdigit())
+  assert len(saved) == 1 and saved[0] >= 2
+  assert f'stopped by SIGTERM after step {saved[0]} of 7000' in err
+  assert os.path.isdir(workdir / 'export')
+  err = run_then_sigterm(saved[0] + 2)                    # the same command resumes
+  assert f'resumed pretraining at step {saved[0]}' in err
+  last = sorted(int(s) for s in os.listdir(workdir / 'checkpoints') if s.isdigit())[-1]
+  assert last >= saved[0] + 2 and f'stopped by SIGTERM after step {last} of 7000' in err
+  steps = [json.loads(l)['step'] for l in open(metrics)]
+  assert steps == list(range(1, last + 1))                # each step once, none lost

@@ -130,7 +130,7 @@ def stack_records(recs):
       continue
     for r in recs:
       if name not in r or r[name].shape != have[0][name].shape or r[name].dtype != have[0][name].dtype:
-        got = (r[name].shape, r[name].dtype.name) if name in r else 'missing'
+        got = f'{r[name].shape} {r[name].dtype.name}' if name in r else 'missing'
         raise RecordError(f"{r['_where']}: field {name!r} is {got}, but {have[0]['_where']} in the same "
                           f'batch has {have[0][name].shape} {have[0][name].dtype.name} (pass `expected` '
                           'to check every record)')

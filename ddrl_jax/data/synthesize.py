@@ -42,7 +42,7 @@ def synthesize(config, out, *, workdir=None, prompts=None, per_prompt=1, batch=6
   """Writes per_prompt samples of every prompt to `out`; returns a summary dict."""
   with tempfile.TemporaryDirectory() as scratch:
     trainer = trainer_lib.Trainer(config, workdir or scratch)
-    step = trainer.restore_or_init()
+    step = trainer.restore_or_init(read_only=True)
   sampler = trainer.sampler if stochastic else trainer.sampler.deterministic()
   sample_fn = trainer_lib.make_sample_fn(sampler, trainer.apply_fn, trainer.task.sample_shape,
                                          trainer.mesh)

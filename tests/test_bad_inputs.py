@@ -1,0 +1,308 @@
+"""The bad-input table: each row is one bad input and what it must produce: an error of a given class whose
+message contains given words, or (reward faults, which must never stop training by themselves) NaN
+scores with the failure counted and described. No row may be accepted silently.
+
+Sections: every key `config.validate` checks (a test below fails when validate checks a key that has no
+row); the CLI's flags; data records; damaged and mismatched checkpoints; reward workers; the Redis
+reward service. benchmarks/RESULTS.md reports the count.
+"""
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from test_reward_service import IMAGES  # tests/test_reward_service.py (fixtures used below)
+from test_reward_service import client
+from test_reward_service import redis_url  # pylint: disable=unused-import
+from test_reward_service import servers  # pylint: disable=unused-import
+from test_trainer import small_config  # tests/test_trainer.py
+
+from ddrl_jax import checkpoints as checkpoints_lib
+from ddrl_jax import config as config_lib
+from ddrl_jax import rewards
+from ddrl_jax import trainer as trainer_lib
+from ddrl_jax.data import pipeline
+from ddrl_jax.data import records as records_lib
+from ddrl_jax.rewards import pool as pool_lib
+from ddrl_jax.rewards import wire
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+fns = lambda **w: ml_collections.ConfigDict(w)
+
+# ------------------------------------------------------------------------------ config.validate
+# (preset, {key: value}, words the ConfigError must contain). small_config: T = 6, B = 8, N = 4.
+VALIDATE = [
+    ('ddrl', {'algorithm': 'ppo'}, 'config.algorithm=\'ppo\': unknown algorithm'),
+    ('ddrl', {'num_rollouts': 1}, 'config.num_rollouts=1: need N >= 2'),
+    ('ddrl', {'batch_size': 0}, 'config.batch_size=0: need at least one group'),
+    ('ddrl', {'num_iterations': -1}, 'config.num_iterations=-1: must be >= 0'),
+    ('ddrl', {'log_every': 0}, 'config.log_every=0: must be >= 1'),
+    ('ddrl', {'checkpoint_every': 0}, 'config.checkpoint_every=0: must be >= 1'),
+    ('ddrl', {'max_checkpoints': 0}, 'config.max_checkpoints=0: must be >= 1'),
+    ('ddrl', {'max_nonfinite_steps': 0}, 'config.max_nonfinite_steps=0: must be >= 1'),
+    ('ddrl', {'eval_every': -2}, 'config.eval_every=-2'),
+    ('ddrl', {'eval_samples': 0}, 'config.eval_samples=0: must be >= 1'),
+    ('ddrl', {'sampler.kind': 'euler'}, "config.sampler.kind='euler': unknown sampler"),
+    ('ddrl', {'sampler.num_steps': 1}, 'config.sampler.num_steps=1: need T >= 2'),
+    ('ddrl', {'rl.clip_range': 0.0}, 'config.rl.clip_range=0.0: the PPO clip range must be > 0'),
+    ('ddrl', {'rl.train_steps': ()}, 'config.rl.train_steps=(): no trained steps'),
+    ('ddrl', {'rl.train_steps': (0, 6)}, 'indices [6] are outside [0, T)'),
+    ('ddrl', {'rl.train_steps': (2, 2)}, 'duplicate step indices'),
+    ('ddrl', {'rl.train_steps': (5,)}, 'step T-1 = 5 of cosmos_2ab is deterministic'),
+    ('dance_grpo', {'rl.train_fraction': 0.0}, 'config.rl.train_fraction=0.0: must be in (0, 1]'),
+    ('ddrl', {'rl.adv_transform': 'softmax'}, "config.rl.adv_transform='softmax'"),
+    ('ddrl_exact', {'rl.exact_beta': 0.0}, 'config.rl.exact_beta=0.0: must be > 0'),
+    ('ddrl', {'rl.log_ratio': 'kl'}, "config.rl.log_ratio='kl'"),
+    ('ddrl', {'rl.old_mean': 'ema'}, "config.rl.old_mean='ema'"),
+    ('ddrl', {'rl.data_beta': -1.0}, 'config.rl.data_beta=-1.0: must be >= 0'),
+    ('ddrl', {'rl.data_loss_steps': 'half'}, "config.rl.data_loss_steps='half'"),
+    ('ddrl', {'rl.data_noise': 'zero'}, "config.rl.data_noise='zero'"),
+    ('ddrl', {'rl.data_weighting': 'snr'}, "config.rl.data_weighting='snr'"),
+    ('ddrl', {'rl.cond_dropout': 1.0}, 'config.rl.cond_dropout=1.0: must be in [0, 1)'),
+    ('flow_grpo', {'rl.kl_beta': -0.1}, 'config.rl.kl_beta=-0.1: must be >= 0'),
+    ('ddrl', {'rl.kl_beta': 0.1}, 'ddrl holds no reference model'),
+    ('ddrl', {'optim.learning_rate': 0.0}, 'config.optim.learning_rate=0.0: must be > 0'),
+    ('ddrl', {'optim.grad_clip': 0.0}, 'config.optim.grad_clip=0.0: must be > 0'),
+    ('ddrl', {'optim.warmup_steps': -1}, 'config.optim.warmup_steps=-1: must be >= 0'),
+    ('ddrl', {'optim.ema_power_s': 0.0}, 'config.optim.ema_power_s=0.0: must be > 0 or None'),
+    ('ddrl', {'reward.fns': fns()}, 'config.reward.fns is empty'),
+    ('ddrl', {'reward.fns': fns(nope=1.0)}, "config.reward.fns: unknown reward 'nope'"),
+    ('ddrl', {'reward.fns': fns(linear=0.0)}, 'config.reward.fns.linear=0.0: weights must be > 0'),
+    ('ddrl', {'reward.kwargs': fns(ocr={})}, 'config.reward.kwargs names rewards not in'),
+    ('ddrl', {'reward.combine': 'max'}, "config.reward.combine='max'"),
+    ('ddrl', {'reward.backend': 'http'}, "config.reward.backend='http'"),
+    ('ddrl', {'reward.workers': -1}, 'config.reward.workers=-1: must be >= 0'),
+    ('ddrl', {'reward.chunk_size': 0}, 'config.reward.chunk_size=0: must be >= 1'),
+    ('ddrl', {'reward.timeout_s': 0.0}, 'config.reward.timeout_s=0.0: timeouts must be > 0'),
+    ('ddrl', {'reward.chunk_timeout_s': 0.0}, 'timeouts must be > 0'),
+    ('ddrl', {'reward.max_failed_batches': 0}, 'config.reward.max_failed_batches=0: must be >= 1'),
+    ('ddrl_exact', {'reward.fns': fns(linear=1.0, mean_intensity=1.0)},
+     "the exact tilt transform needs one reward or combine='weighted_sum'"),
+    ('ddrl', {'mesh.fsdp': 3}, 'config.mesh'),
+    ('ddrl', {'batch_size': 3}, 'not divisible by the data-parallel mesh size data*fsdp = 8'),
+]
+
+
+@pytest.mark.parametrize('preset,overrides,words', VALIDATE,
+                         ids=[f'{p}:{",".join(o)}={list(o.values())[0]!r}' for p, o, _ in VALIDATE])
+def test_validate_rejects(preset, overrides, words):
+  c = small_config(preset, **overrides)
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.validate(c, num_devices=8)
+  assert words in str(err.value)
+
+
+def test_every_key_validate_checks_has_a_row():
+  tree = ast.parse(open(os.path.join(ROOT, 'ddrl_jax', 'config.py')).read())
+  checked, loops = set(), {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple):   # for key in ('a', 'b'): ...
+      loops[node.target.id] = {e.value for e in node.iter.elts}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == '_check':
+      key = node.args[1]
+      checked |= {key.value} if isinstance(key, ast.Constant) else loops[key.id]
+  rows = {k for _, o, _ in VALIDATE for k in o}
+  assert len(checked) > 30
+  assert checked <= rows, f'validated keys without a bad-input row: {sorted(checked - rows)}'
+
+
+# ------------------------------------------------------------------------------------- CLI flags
+CLI = [
+    (['--config=configs/toy2d.py', '--workdir=W', '--config.num_rolouts=8'],
+     'has no key config.num_rolouts (unknown keys are not accepted). Did you mean "num_rollouts"'),
+    (['--config=configs/toy2d.py', '--workdir=W', '--config.rl.no_such=1'], 'has no key config.rl.no_such'),
+    (['--config=configs/toy2d.py', '--workdir=W', '--config.num_rollouts=eight'],
+     "flag --config.num_rollouts=eight: invalid literal for int() with base 10: 'eight'"),
+    (['--config=configs/toy2d.py'], 'Flag --workdir must have a value other than None'),
+    (['--config=configs/toy2d.py:ppo', '--workdir=W'], "unknown config preset 'ppo'; known:"),
+    (['--config=configs/no_such.py', '--workdir=W'], 'No such file or directory'),
+    (['--config=configs/toy2d.py', '--workdir=W', 'stray'], "unexpected arguments ['stray']"),
+    (['--config=configs/toy2d.py', '--workdir=W', '--config.num_rollouts=1'],
+     'config.num_rollouts=1: need N >= 2'),
+]
+
+
+@pytest.mark.parametrize('args,words', CLI, ids=[a[-1] for a, _ in CLI])
+def test_cli_rejects(args, words, tmp_path):
+  args = [a.replace('=W', f'={tmp_path}') for a in args]
+  out = subprocess.run([sys.executable, '-m', 'ddrl_jax.train'] + args, cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert out.returncode != 0
+  assert words in out.stderr, out.stderr[-2000:]
+  assert not os.path.exists(tmp_path / 'checkpoints')
+
+
+# ------------------------------------------------------------------------------------- records
+def _shard(path, raws):
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  writer = array_record_module.ArrayRecordWriter(str(path), 'group_size:1')
+  for raw in raws:
+    writer.write(raw)
+  writer.close()
+  return str(path)
+
+
+def _record(sample):
+  return records_lib.encode_record({'prompt': 'p', 'sample': np.asarray(sample, np.float32)})
+
+
+RECORDS = [
+    ('corrupt', lambda i: b'\x00garbage' if i == 3 else _record(np.full(2, i)),
+     r'bad\.array_record\[3\]: corrupt record'),
+    ('misshaped', lambda i: _record(np.full(3 if i == 3 else 2, i)),
+     r"bad\.array_record\[3\]: field 'sample' is \(3,\) float32, but .* has \(2,\) float32"),
+    ('misshaped_vs_manifest', lambda i: _record(np.full(3 if i == 3 else 2, i)),
+     r"bad\.array_record\[3\]: field 'sample' has shape \(3,\) float32, expected \(2,\)"),
+]
+
+
+@pytest.mark.parametrize('kind,make,words', RECORDS, ids=[r[0] for r in RECORDS])
+def test_bad_record_stops_the_loader_naming_shard_and_index(kind, make, words, tmp_path):
+  path = _shard(tmp_path / 'bad.array_record', [make(i) for i in range(8)])
+  expected = {'sample': ((2,), 'float32')} if kind == 'misshaped_vs_manifest' else None
+  loader = pipeline.RecordLoader(path, 8, seed=0, shuffle=False, expected=expected)
+  with pytest.raises(records_lib.RecordError, match=words):
+    next(loader)
+
+
+# --------------------------------------------------------------------------------- checkpoints
+def _state_file(step_dir):
+  files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, 'state')) for f in fs]
+  return max(files, key=os.path.getsize)
+
+
+def _truncate(step_dir):
+  p = _state_file(step_dir)
+  with open(p, 'r+b') as f:
+    f.truncate(os.path.getsize(p) // 2)
+
+
+def _flip(step_dir):
+  p = _state_file(step_dir)
+  data = bytearray(open(p, 'rb').read())
+  data[len(data) // 2] ^= 0xFF
+  open(p, 'wb').write(bytes(data))
+
+
+def _unrecorded_truncate(step_dir):      # killed between orbax's commit and the integrity record
+  os.remove(os.path.join(step_dir, checkpoints_lib.INTEGRITY))
+  _truncate(step_dir)
+
+
+# (name, damage(workdir), config overrides, error class or None for a fallback, words)
+CHECKPOINTS = [
+    ('truncated', lambda w: _truncate(w / 'checkpoints' / '4'), {}, None, 'truncated or replaced'),
+    ('file_missing', lambda w: os.remove(_state_file(w / 'checkpoints' / '4')), {}, None, ': missing'),
+    ('altered', lambda w: _flip(w / 'checkpoints' / '4'), {}, None, 'contents changed'),
+    ('truncated_unrecorded', lambda w: _unrecorded_truncate(w / 'checkpoints' / '4'), {}, None,
+     'is damaged'),
+    ('config_item_missing', lambda w: shutil.rmtree(w / 'checkpoints' / '4' / 'config'), {}, None,
+     'is damaged'),
+    ('all_damaged', lambda w: [_truncate(w / 'checkpoints' / s) for s in ('2', '4')], {},
+     checkpoints_lib.DamagedCheckpoint, 'Not starting again from step 0'),
+    ('other_model_shape', lambda w: None, {'toy2d.width': 48}, checkpoints_lib.IncompatibleCheckpoint,
+     'toy2d.width: 32 in the checkpoint, 48 now'),
+    ('other_algorithm', lambda w: None, {'_preset': 'flow_grpo'}, checkpoints_lib.IncompatibleCheckpoint,
+     "algorithm: 'ddrl' in the checkpoint, 'flow_grpo' now"),
+    ('other_data', lambda w: None, {'data.path': '/no/such/records'},
+     checkpoints_lib.IncompatibleCheckpoint, 'data.path'),
+]
+
+
+@pytest.mark.parametrize('name,damage,overrides,error,words', CHECKPOINTS,
+                         ids=[c[0] for c in CHECKPOINTS])
+def test_damaged_or_mismatched_checkpoint(name, damage, overrides, error, words, trained, tmp_path,
+                                          caplog):
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained, workdir)
+  damage(workdir)
+  overrides = dict(overrides)
+  preset = overrides.pop('_preset', 'ddrl')
+  c = small_config(preset, num_iterations=4, **overrides)
+  if name == 'other_data':       # the loader must exist for the run to get as far as the checkpoint
+    c.data.path = ''
+    trainer = trainer_lib.Trainer(c, workdir, devices=jax.devices()[:1])
+    c.data.path = overrides['data.path']
+    trainer.config = c
+  else:
+    trainer = trainer_lib.Trainer(c, workdir, devices=jax.devices()[:1])
+  if error is None:              # damaged latest: warn naming it, fall back to step 2, set it aside
+    assert trainer.restore_or_init() == 2
+    assert f'checkpoint {workdir}/checkpoints/4 is damaged' in caplog.text
+    assert words in caplog.text
+    assert os.listdir(workdir / 'checkpoints_damaged')[0].startswith('4_')
+    assert not os.path.exists(workdir / 'checkpoints' / '4')
+  else:
+    with pytest.raises(error) as err:
+      trainer.restore_or_init()
+    assert words in str(err.value) and str(workdir / 'checkpoints') in str(err.value)
+    assert trainer.state is None   # nothing restored, nothing initialized from step 0
+
+
+def test_safe_config_change_resumes_and_is_logged(trained, tmp_path, caplog):
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained, workdir)
+  c = small_config('ddrl', num_iterations=9, **{'optim.learning_rate': 1e-4})
+  assert trainer_lib.Trainer(c, workdir, devices=jax.devices()[:1]).restore_or_init() == 4
+  assert 'num_iterations changed: 4 -> 9' in caplog.text
+  assert 'optim.learning_rate changed: 0.0003 -> 0.0001' in caplog.text
+
+
+# ------------------------------------------------------------------------------ reward workers
+# (name, rewards {name: kwargs}, failure kind, words in the failure message). Reward faults never stop
+# the trainer: the samples get NaN (advantage 0), the kind is counted, the message says why.
+REWARD_FAULTS = [
+    ('crash', {'debug_crash': {}}, 'crash', 'exited with code 13 while scoring'),
+    ('hang', {'debug_sleep': {'seconds': 60}}, 'timeout', 'no reply within 2.0 s (killed)'),
+    ('garbage', {'debug_garbage': {'kind': 'strings'}}, 'garbage', 'scores are not a numeric array'),
+    ('nested_garbage', {'debug_garbage': {'kind': 'nested'}}, 'garbage', 'scores have shape (4, 2)'),
+    ('wrong_count', {'debug_garbage': {'kind': 'shape'}}, 'garbage', 'scores have shape (5,), expected (4,)'),
+]
+
+
+@pytest.mark.parametrize('name,specs,kind,words', REWARD_FAULTS, ids=[r[0] for r in REWARD_FAULTS])
+def test_reward_fault_is_nan_and_counted(name, specs, kind, words):
+  del name
+  with pool_lib.WorkerPool(specs, 1, chunk_timeout_s=2.0) as pool:
+    result = pool.submit(IMAGES[:4], ['x'] * 4, chunk_size=4).result(timeout=60)
+  (reward,) = specs
+  assert np.isnan(result.scores[reward]).all()
+  assert result.failures[kind] == 1 and sum(result.failures.values()) == 1
+  assert any(words in e for e in result.errors), result.errors
+
+
+def test_unbuildable_reward_is_an_error():
+  with pool_lib.WorkerPool({'debug_sleep': {'no_such_arg': 1}}, 1) as pool:
+    with pytest.raises(rewards.RewardServiceError, match='cannot build rewards'):
+      pool.submit(IMAGES[:4], ['x'] * 4).result(timeout=60)
+
+
+def test_reply_with_wrong_number_of_scores_is_refused_by_the_wire_check():
+  with pytest.raises(wire.WireError, match=r'scores have shape \(3,\), expected \(4,\)'):
+    wire.check_scores(np.zeros(3, np.float32), 4)
+
+
+# ------------------------------------------------------------------------------- Redis service
+def test_wrong_token_is_an_error(redis_url, servers):  # pylint: disable=redefined-outer-name
+  servers()
+  with pytest.raises(rewards.RewardServiceError, match='bearer token'):
+    client(redis_url, {'mean_intensity': 1.0}, token='wrong-token').check()
+
+
+@pytest.mark.parametrize('payload,words', [
+    (b'\xc1\xc1 not msgpack', 'not a msgpack message'),
+    (b'\x81\xa4auth\xa3bad', 'malformed request: message lacks'),
+])
+def test_malformed_redis_payload_is_answered_400(payload, words, redis_url, servers):  # pylint: disable=redefined-outer-name
+  servers()
+  svc = client(redis_url, {'mean_intensity': 1.0})
+  svc.push('bad', payload)
+  assert svc.redis.blpop([svc.keys.done('bad')], timeout=30)
+  reply = wire.unpack(svc.redis.get(svc.keys.result('bad')))
+  assert reply['code'] in (400, 401) and words in reply['error'], reply
