@@ -216,3 +216,40 @@ def test_pretrain_sigterm_saves_exits_0_and_resumes(tmp_path):
   assert last >= saved[0] + 2 and f'stopped by SIGTERM after step {last} of 7000' in err
   steps = [json.loads(l)['step'] for l in open(metrics)]
   assert steps == list(range(1, last + 1))                # each step once, none lost
+
+
+_TWO_HOSTS = '''
+import os, signal, sys, time
+import jax
+jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+process, port, sig, sender = int(sys.argv[1]), sys.argv[2], getattr(signal, sys.argv[3]), int(sys.argv[4])
+jax.distributed.initialize(f'localhost:{port}', 2, process)
+from ddrl_jax import preemption
+with preemption.PreemptionGuard() as guard:
+  for step in range(300):
+    time.sleep(0.02)
+    if process == sender and step == 10:
+      os.kill(os.getpid(), sig)          # one host gets the notice
+    if guard.should_stop(step):
+      print(f'stopped at {step} by {guard.received}', flush=True)
+      break
+'''
+
+
+@pytest.mark.parametrize('sig,sender,why', [('SIGTERM', 0, 'preemption notice'),
+                                            ('SIGINT', 1, 'SIGINT (another host)')])
+def test_two_processes_stop_at_the_same_step(sig, sender, why):
+  """Two JAX processes (gloo CPU collectives): a SIGTERM to one host reaches JAX's preemption sync point
+  on both, a SIGINT to one host is shared by an all-gather; either way both stop after the same step."""
+  import portpicker  # pylint: disable=g-import-not-at-top
+  port = str(portpicker.pick_unused_port())
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
+  procs = [subprocess.Popen([sys.executable, '-c', _TWO_HOSTS, str(i), port, sig, str(sender)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for i in range(2)]
+  outs = [p.communicate(timeout=240) for p in procs]
+  assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+  lines = [o[0].strip().splitlines()[-1] for o in outs]
+  steps = {l.split()[2] for l in lines}
+  assert len(steps) == 1, lines                       # the same step on both hosts
+  assert any(why in l for l in lines), lines
