@@ -45,7 +45,13 @@ def reference(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('reference')
   code, _, _, _, log = _cli(workdir)
   assert code == 0, log[-3000:]
-  return ft.read_rows(workdir)
+  assert 'final: ' in log
+  assert sorted(int(s) for s in os.listdir(workdir / 'checkpoints')) == [2, 4, 6]   # max_checkpoints 3
+  assert any(f.startswith('events') for f in os.listdir(workdir / 'tensorboard'))
+  rows = ft.read_rows(workdir)
+  assert [r['step'] for r in rows if 'loss' in r] == [1, 2, 3, 4, 5, 6]
+  assert [r['step'] for r in rows if 'eval/reward' in r] == [0, 3, 6]
+  return rows
 
 
 def _assert_identical(workdir, reference):

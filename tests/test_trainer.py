@@ -1,9 +1,5 @@
-"""The jitted train step, its sharding, checkpoint/resume, config validation and the CLI."""
-import json
-import os
-import subprocess
-import sys
-
+"""The jitted train step and its sharding, config validation, the optimizer pieces and every algorithm
+through the trainer (resume, kills and the CLI: test_fault_tolerance.py; bad input: test_bad_inputs.py)."""
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,8 +14,6 @@ from ddrl_jax import parallel
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.rl import algorithms
 from ddrl_jax.tasks import toy2d
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def small_config(preset='ddrl', **overrides):
@@ -199,19 +193,3 @@ def test_baselines_train_through_the_trainer(preset, tmp_path):
   assert min(jax.tree.leaves(moved)) > 0
   if preset == 'flow_grpo':   # the frozen reference stays at the initial parameters
     jax.tree.map(np.testing.assert_array_equal, trainer.state.ref_params, before)
-
-
-def test_cli_runs_writes_and_rejects_bad_overrides(tmp_path):
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  base = [sys.executable, '-m', 'ddrl_jax.train', '--config=configs/toy2d.py',
-          f'--workdir={tmp_path}', '--config.num_iterations=2', '--config.toy2d.pretrain_steps=20',
-          '--config.toy2d.width=16', '--config.eval_samples=64']
-  out = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
-  records = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
-  assert [r['step'] for r in records if 'loss' in r] == [1, 2]
-  assert os.path.isdir(tmp_path / 'checkpoints' / '2')
-  assert any(f.startswith('events') for f in os.listdir(tmp_path / 'tensorboard'))
-  bad = subprocess.run(base + ['--config.num_rollouts=1'], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
-  assert bad.returncode != 0 and 'config.num_rollouts=1' in bad.stderr
