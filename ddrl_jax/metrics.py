@@ -5,9 +5,8 @@ import json
 import os
 
 from absl import logging
-
-import numpy as np
 from clu import metrics as clu_metrics
+import numpy as np
 
 
 def average_metrics(per_step):
@@ -49,7 +48,7 @@ class MetricWriter:
   """Appends {'step': ..., **scalars} lines to <workdir>/metrics.jsonl and TensorBoard scalars.
 
   resume_step: the step the run restarts from; rows and TensorBoard events written after it by an
-  earlier (interrupted) run are dropped first. None: append (pretraining's own resume does the same).
+  earlier (interrupted) run are dropped first. None: append to whatever the file holds.
   """
 
   def __init__(self, workdir, resume_step=None):
