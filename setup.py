@@ -46,6 +46,10 @@ setup(
         'text': TEXT,
         'video': VIDEO,
         'convert': CONVERT,
+        # libtpu alone: compile ahead of time for TPU topologies on a CPU host (ddrl_jax.parallel.topology).
+        'aot': ['libtpu==0.0.42.*'],
+        'tpu': ['jax[tpu]==0.10.2'],
+        'cuda': ['jax[cuda12]==0.10.2'],
         # PyTorch references for parity tests (diffusers' Cosmos/Wan modules, BERT); pytest-timeout makes
         # a hang fail its test (tests/conftest.py) instead of stalling CI.
         'test': ['pytest', 'pytest-timeout', 'portpicker', 'diffusers==0.39.0'] + TEXT + VIDEO + CONVERT,

@@ -1,6 +1,8 @@
 """Defaults shared by every config, and the algorithm presets selected with ``--config=...:<preset>``."""
 import ml_collections
 
+from ddrl_jax.parallel import rules
+
 
 def base_config():
   """Every key the trainer reads, with cosmos-rl's DDRL defaults (docs/reference/ddrl_in_cosmos_rl.md)."""
@@ -75,6 +77,14 @@ def base_config():
 
   # Mesh sizes; -1 fills with the remaining devices. Batches shard their B axis over (data, fsdp).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
+
+  # How parameters and activations map onto the mesh (ddrl_jax/parallel/rules.py): logical axis name ->
+  # comma-separated mesh axes ('' = replicated), e.g. --config.sharding.rules.embed=fsdp,context.
+  c.sharding = ml_collections.ConfigDict(dict(
+      rules=ml_collections.ConfigDict(dict(rules.DEFAULT_RULES)),
+      fsdp_axes='fsdp',              # 'fsdp,context': FSDP over fsdp x context devices (maxdiffusion)
+      context_impl='none',           # self-attention on a context-sharded sequence: none, ulysses, ring
+      max_replicated_fraction=0.02))  # more replicated parameter bytes than this on an FSDP mesh: error
   return c
 
 

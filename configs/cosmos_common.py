@@ -64,6 +64,7 @@ def get_config(model, arg=''):
   o.ema_power_s = 0.1
 
   c.mesh = ml_collections.ConfigDict(PARALLEL[model])
+  c.sharding.context_impl = 'ulysses'   # cosmos-rl's context parallelism (all-to-all heads <-> sequence)
 
   # Stand-in reward until a video reward model is wired: temporal smoothness of the decoded video,
   # scored by two local worker processes (cosmos-rl: the dance_grpo VideoAlign service over Redis).
@@ -76,6 +77,11 @@ def get_config(model, arg=''):
       dtype='bfloat16',              # compute dtype; fp32 master weights (param_dtype)
       param_dtype='float32',
       remat_policy='full',           # selective activation checkpointing on every block
+      # Local attention kernel (ddrl_jax/models/attention.py): '' = the platform's (splash on TPU, cuDNN
+      # on GPU, xla on CPU); sequences shorter than min_flash_len (the 512 text tokens) stay on xla.
+      attention=ml_collections.ConfigDict(dict(kernel='', block_q=512, block_kv=512,
+                                               block_kv_compute=512, min_flash_len=4096,
+                                               interpret=False)),
       checkpoint='',                 # orbax dir of converted DiT params (models.convert.load_converted)
       cond_timestep=1e-4,            # sigma_conditional / conditional_frame_timestep 0.1 (0-1000 scale)
       i2v_prob=0.5,                  # min/max_num_conditional_frames = 0/1: 50/50 T2V / I2V per group

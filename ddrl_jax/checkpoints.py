@@ -14,8 +14,8 @@ import os
 INTEGRITY = 'ddrl_integrity.json'
 
 # Keys a resumed run may change: budgets, logging, the learning-rate schedule, reward-service plumbing,
-# data-loader parallelism, the mesh (checkpoints restore onto any topology), where the initial weights
-# came from (read only when starting from step 0) and the pretraining section (not read by the RL run).
+# data-loader parallelism, the mesh and its sharding rules (checkpoints restore onto any topology), where
+# the initial weights came from (read only when starting from step 0) and the pretraining section (not read by the RL run).
 SAFE_TO_CHANGE = (
     'num_iterations', 'log_every', 'checkpoint_every', 'max_checkpoints', 'eval_every',
     'eval_samples', 'max_nonfinite_steps', 'checkpoint_checksums', 'pretrain.',
@@ -23,7 +23,7 @@ SAFE_TO_CHANGE = (
     'optim.learning_rate', 'optim.warmup_steps', 'optim.warmup_init_factor',
     'reward.workers', 'reward.chunk_size', 'reward.chunk_timeout_s', 'reward.timeout_s',
     'reward.max_failed_batches', 'reward.backend', 'reward.redis_url', 'reward.token_env',
-    'reward.retries', 'reward.task_ttl_s', 'data.worker_count', 'data.skip_bad', 'mesh.')
+    'reward.retries', 'reward.task_ttl_s', 'data.worker_count', 'data.skip_bad', 'mesh.', 'sharding.')
 
 
 class CheckpointError(RuntimeError):

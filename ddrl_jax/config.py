@@ -2,6 +2,8 @@
 from ddrl_jax import rewards
 from ddrl_jax import sampling
 from ddrl_jax.parallel import mesh as mesh_lib
+from ddrl_jax.parallel import plan as plan_lib
+from ddrl_jax.parallel import rules as rules_lib
 from ddrl_jax.rl import algorithms
 
 ADV_TRANSFORMS = ('', 'neg_exp', 'exact')
@@ -107,4 +109,46 @@ def validate(config, num_devices):
   _check(slots % dp == 0, 'batch_size', config.batch_size,
          f'batch_size * num_rollouts = {slots} rollouts are not divisible by the data-parallel mesh '
          f'size data*fsdp = {dp} (one rollout slot per data-parallel position)')
+  _validate_sharding(config, dict(zip(mesh_lib.AXES, shape)))
   return shape
+
+
+def _attention_shape(config):
+  """(num_heads, latent frames) of the task's DiT, or None for a task without attention."""
+  if config.get('cosmos') is not None:
+    from ddrl_jax.tasks import video  # pylint: disable=g-import-not-at-top
+    return video.dit_config(config.cosmos).num_heads, config.cosmos.latent_shape[0]
+  if config.get('ocr') is not None:
+    return config.ocr.heads, 1            # images: one frame
+  return None
+
+
+def _validate_sharding(config, sizes):
+  """config.sharding against the mesh sizes {axis: size} and the model's heads and latent frames."""
+  s = config.get('sharding')
+  if s is None:
+    return
+  _check(s.context_impl in plan_lib.CONTEXT_IMPLS, 'sharding.context_impl', s.context_impl,
+         f'known: {plan_lib.CONTEXT_IMPLS}')
+  _check(0 <= s.max_replicated_fraction <= 1, 'sharding.max_replicated_fraction',
+         s.max_replicated_fraction, 'must be in [0, 1]')
+  try:
+    rules_lib.resolve_rules(s.rules, s.fsdp_axes, mesh_lib.AXES)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  fsdp = rules_lib.resolve_rules({'x': 'fsdp'}, s.fsdp_axes)['x']
+  bad = [a for a in fsdp if a not in mesh_lib.AXES]
+  _check(not bad, 'sharding.fsdp_axes', s.fsdp_axes, f'unknown mesh axes {bad}; known: {mesh_lib.AXES}')
+  cp, tp = sizes['context'], sizes['tensor']
+  shape = _attention_shape(config)
+  if cp == 1 or shape is None:
+    return
+  heads, frames = shape
+  key = 'cosmos.latent_shape' if config.get('cosmos') is not None else 'mesh.context'
+  _check(frames % cp == 0, key, config.cosmos.latent_shape if key != 'mesh.context' else cp,
+         f'{frames} latent frames do not divide over mesh.context = {cp} (the sequence is sharded by '
+         f'latent frames)')
+  if s.context_impl == 'ulysses':
+    _check(heads % (cp * tp) == 0, 'mesh.context', cp,
+           f'Ulysses attention splits the {heads} heads over context x tensor = {cp * tp} devices; '
+           f'they do not divide (use sharding.context_impl=ring or another mesh.context)')

@@ -37,6 +37,7 @@ from ddrl_jax import sampling
 from ddrl_jax import tasks
 from ddrl_jax.data import pipeline as data_pipeline
 from ddrl_jax.data import records as data_records
+from ddrl_jax.parallel import rules as rules_lib
 
 
 class TrainState(NamedTuple):
@@ -113,16 +114,20 @@ def init_train_state(params, config, optimizer):
       ref_params=copy(params) if algo.uses_reference and config.rl.kl_beta > 0 else None)
 
 
-def make_update_fns(apply_fn, sampler, config, optimizer):
+def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
   """The update in two pure halves, so the data term can run while rewards are pending.
 
     data_grads(params, rollout, data, key) -> (grads, metrics)      needs no rewards
     update(state, rollout, data, grads, key) -> (state, metrics)     adds the policy gradient
 
-  `grads` is the gradient of loss_scale * data_beta * the diffusion loss (None for algorithms
+  `grads` is the float32 gradient of loss_scale * data_beta * the diffusion loss (None for algorithms
   without a data term). Both halves draw the trained steps and the loss noise from `key` exactly as
   `rl_loss` does, so update(state, .., data_grads(state.params, ..)[0], key) equals one fused step.
+  Gradients are accumulated one trained step at a time (`rl.rl_loss_and_grad`), so memory does not grow
+  with the number of trained steps. `cast_params` (e.g. the task's bf16 compute copy) is applied to the
+  parameters once, before the step scan; gradients are taken with respect to that copy.
   """
+  cast_params = cast_params or (lambda p: p)
   algo = rl_lib.get_algorithm(config.algorithm)
   rl = config.rl
   pool = config_lib.train_steps(config)
@@ -146,21 +151,17 @@ def make_update_fns(apply_fn, sampler, config, optimizer):
     if not use_data:
       return None, {}
     traj, _, _, steps, k_loss = prepare(rollout, key)
-    term = data_term(data)
-    loss_fn = lambda p: rl_lib.data_loss(apply_fn, p, sampler, traj, steps, term, k_loss)
-    value, grads = jax.value_and_grad(loss_fn)(params)
+    value, grads = rl_lib.data_loss_and_grad(apply_fn, cast_params(params), sampler, traj, steps,
+                                             data_term(data), k_loss)
     scale = rl.loss_scale * rl.data_beta
     return jax.tree.map(lambda g: scale * g, grads), {'data_loss': value}
 
   def update(state, rollout, grads_data, key):
     traj, rewards, cond, steps, k_loss = prepare(rollout, key)
     advantages = compute_advantages(rewards, config)
-
-    def loss_fn(params):
-      return algo.loss(apply_fn, params, state.ref_params, sampler, traj, advantages, steps, cond,
-                       None, k_loss, rl)
-
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    ref = None if state.ref_params is None else cast_params(state.ref_params)
+    _, metrics, grads = algo.loss_and_grad(apply_fn, cast_params(state.params), ref, sampler, traj,
+                                           advantages, steps, rollout.cond, None, k_loss, rl)
     if grads_data is not None:
       grads = jax.tree.map(jnp.add, grads, grads_data)
     grads, nonfinite = optim.zero_nonfinite(grads)
@@ -200,9 +201,9 @@ def combine_metrics(metrics, data_metrics, config):
   return metrics
 
 
-def make_train_step(apply_fn, sampler, config, optimizer):
+def make_train_step(apply_fn, sampler, config, optimizer, cast_params=None):
   """The fused pure update (state, rollout, data, key) -> (state, metrics); jit with `jit_train_step`."""
-  data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer)
+  data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer, cast_params)
 
   def train_step(state, rollout, data, key):
     grads, data_metrics = data_grads(state.params, rollout, data, key)
@@ -212,20 +213,32 @@ def make_train_step(apply_fn, sampler, config, optimizer):
   return train_step
 
 
-def jit_train_step(train_step, mesh):
-  """jit with the mesh's shardings: state and data replicated, rollouts split on B*N over (data, fsdp)."""
-  rep, batch = parallel.replicated(mesh), parallel.batch_sharding(mesh)
-  return jax.jit(train_step, in_shardings=(rep, batch, rep, rep), out_shardings=(rep, rep),
-                 donate_argnums=(0,))
+def jit_train_step(train_step, plan, state_shardings):
+  """jit of the fused step with the plan's shardings: state by the logical rules (donated), rollouts split
+  on B*N over (data, fsdp), the data batch as placed (`place_data`), metrics replicated."""
+  rep = plan.replicated()
+  return jax.jit(plan.scope(train_step), in_shardings=(state_shardings, plan.batch(), None, rep),
+                 out_shardings=(state_shardings, rep), donate_argnums=(0,))
 
 
-def make_sample_fn(sampler, apply_fn, sample_shape, mesh):
-  """jit of (params, cond (M, ...), key) -> (M, 1, *sample_shape) final samples, one per slot."""
-  rep, batch = parallel.replicated(mesh), parallel.batch_sharding(mesh)
-  return jax.jit(
-      lambda p, cond, k: sampler.sample(apply_fn, p, cond, k, num_rollouts=1,
-                                        sample_shape=sample_shape),
-      in_shardings=(rep, batch, rep), out_shardings=batch)
+def make_sample_fn(sampler, apply_fn, sample_shape, mesh, param_shardings=None, plan=None,
+                   cast_params=None):
+  """jit of (params, cond (M, ...), key) -> (M, 1, *sample_shape) final samples, one per slot.
+
+  Parameters are replicated unless `param_shardings` (with its `plan`) is given."""
+  plan = plan or parallel.ShardingPlan.from_config({}, mesh)
+  cast_params = cast_params or (lambda p: p)
+  params_sh = param_shardings if param_shardings is not None else plan.replicated()
+  fn = lambda p, cond, k: sampler.sample(apply_fn, cast_params(p), cond, k, num_rollouts=1,
+                                         sample_shape=sample_shape)
+  return jax.jit(plan.scope(fn), in_shardings=(params_sh, plan.batch(), plan.replicated()),
+                 out_shardings=plan.batch())
+
+
+def place_data(plan, data):
+  """A DataBatch on the mesh: each leaf's leading B axis over as many batch axes as divide B."""
+  return jax.tree.map(lambda a: parallel.place(a, plan.sharding(('act_batch',), np.shape(a), 'data')),
+                      data)
 
 
 def _event_logger(path):
@@ -240,9 +253,11 @@ def _event_logger(path):
   return hook
 
 
-def _state_to_tree(state, rng):
+def _state_to_tree(state, rng, rng_value=None):
+  """The checkpointed dict of a TrainState (None fields left out) and the root key's data (or
+  `rng_value` in its place, e.g. its sharding)."""
   tree = {k: v for k, v in state._asdict().items() if v is not None}
-  tree['rng'] = jax.random.key_data(rng)
+  tree['rng'] = jax.random.key_data(rng) if rng_value is None else rng_value
   return tree
 
 
@@ -259,6 +274,9 @@ class Trainer:
     self.config = config
     self.workdir = os.path.abspath(workdir)
     self.mesh = parallel.make_mesh(config.mesh, devices)
+    self.plan = parallel.ShardingPlan.from_config(config, self.mesh)
+    self.state_shardings = None    # set by restore_or_init
+    self.cast_params = None        # the task's compute-dtype copy of the parameters, if any
     self.task = tasks.get_task(config)
     self.sampler = make_sampler(config)
     self.optimizer = optim.make_optimizer(config.optim)
@@ -312,11 +330,14 @@ class Trainer:
     """
     model_key = jax.random.fold_in(self.rng, 0x6D6F64)
     steps = sorted(self.ckpt.all_steps(), reverse=True)
+    self.apply_fn, abstract_params = self.task.abstract_params(model_key)
+    self._plan_state(abstract_params)
     if not steps:
-      self.apply_fn, params = self.task.init_model(model_key)
-      self.state = init_train_state(params, self.config, self.optimizer)
+      params = self._initial_params(model_key)
+      init = jax.jit(lambda p: init_train_state(p, self.config, self.optimizer),
+                     in_shardings=(self.state_shardings.params,), out_shardings=self.state_shardings)
+      self.state = init(params)      # fresh buffers: the donating update never frees the task's arrays
     else:
-      self.apply_fn, abstract_params = self.task.abstract_params(model_key)
       damaged = []
       for step in steps:
         try:
@@ -337,9 +358,31 @@ class Trainer:
       if damaged and not read_only:
         self._set_aside([s for s, _ in damaged])
       logging.warning('resuming %s from step %d', self.workdir, int(self.state.step))
-    # Copy: the jitted step donates its state, which must not free arrays the task still holds.
-    self.state = jax.device_put(jax.tree.map(jnp.copy, self.state), parallel.replicated(self.mesh))
     return int(self.state.step)
+
+  def _plan_state(self, abstract_params):
+    """Shardings of the train state by the logical rules, checked and logged (per-device bytes)."""
+    abstract_state = jax.eval_shape(
+        lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
+    self.state_shardings = self.plan.state(abstract_state, self.optimizer)
+    report = self.plan.check_params(abstract_state.params, self.state_shardings.params)
+    opt = rules_lib.sharding_report(abstract_state.opt_state, self.state_shardings.opt_state)
+    logging.info('mesh %s: parameters %.3f GiB per device of %.3f GiB (%.2f%% replicated), optimizer '
+                 'state %.3f GiB per device', dict(self.mesh.shape), report['per_device_bytes'] / 2**30,
+                 report['total_bytes'] / 2**30, 100 * report['replicated_fraction'],
+                 opt['per_device_bytes'] / 2**30)
+    self.sharding_report = dict(params=report, opt_state=opt)
+    self.cast_params = getattr(self.task, 'cast_params', None)
+
+  def _initial_params(self, key):
+    """Initial parameters placed shard by shard: the task's sharded init when it has one (the Cosmos
+    DiT: jit with out_shardings, or converted weights from host memory), else its init_model's result
+    placed with make_array_from_callback (small models, e.g. after toy2d's pretraining)."""
+    shardings = self.state_shardings.params
+    if hasattr(self.task, 'init_params_sharded'):
+      return self.task.init_params_sharded(key, shardings)
+    _, params = self.task.init_model(key)
+    return parallel.place(params, shardings)
 
   def _step_dir(self, step):
     return os.path.join(self.ckpt_dir, str(step))
@@ -362,9 +405,11 @@ class Trainer:
     abstract_state = jax.eval_shape(
         lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
     target = _state_to_tree(abstract_state, self.rng)
-    # Restore onto this run's mesh, whatever topology wrote the checkpoint (e.g. 8 devices -> 1).
-    rep = parallel.replicated(self.mesh)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), target)
+    # Restore onto this run's mesh and rules, whatever topology wrote the checkpoint (e.g. 8 devices -> 1):
+    # orbax reads each device's own slices.
+    shardings = _state_to_tree(self.state_shardings, None, self.plan.replicated())
+    target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), target,
+                          shardings)
     items = dict(state=ocp.args.StandardRestore(target))
     if self.loader is not None:
       if 'data' not in metadata:
@@ -413,23 +458,31 @@ class Trainer:
   # --------------------------------------------------------------------------------------- loop
   def _build(self):
     c = self.config
-    batch = parallel.batch_sharding(self.mesh)
-    rep = parallel.replicated(self.mesh)
+    plan, sh = self.plan, self.state_shardings
+    batch, rep = plan.batch(), plan.replicated()
     sampler, apply_fn, shape = self.sampler, self.apply_fn, self.task.sample_shape
+    cast = self.cast_params or (lambda p: p)
     # Rollouts take slot conditions (B*N, ...) and make one rollout per slot.
-    self._rollout = jax.jit(
-        lambda p, cond, k: sampler.rollout(apply_fn, p, cond, k, num_rollouts=1, sample_shape=shape),
-        in_shardings=(rep, batch, rep), out_shardings=batch)
-    self._sample = make_sample_fn(sampler, apply_fn, shape, self.mesh)
-    data_grads, update = make_update_fns(apply_fn, sampler, c, self.optimizer)
-    self._data_grads = jax.jit(data_grads, in_shardings=(rep, batch, rep, rep),
-                               out_shardings=(rep, rep))
-    self._update = jax.jit(update, in_shardings=(rep, batch, rep, rep), out_shardings=(rep, rep),
-                           donate_argnums=(0,))
+    rollout = lambda p, cond, k: sampler.rollout(apply_fn, cast(p), cond, k, num_rollouts=1,
+                                                 sample_shape=shape)
+    self._rollout = jax.jit(plan.scope(rollout), in_shardings=(sh.params, batch, rep),
+                            out_shardings=batch)
+    self._sample = make_sample_fn(sampler, apply_fn, shape, self.mesh, sh.params, plan, cast)
+    data_grads, update = make_update_fns(apply_fn, sampler, c, self.optimizer, cast)
+    grads_sh = sh.params if self._uses_data_grads() else None
+    self._data_grads = jax.jit(plan.scope(data_grads), in_shardings=(sh.params, batch, None, rep),
+                               out_shardings=(grads_sh, rep))
+    # The update replaces the state and consumes the data gradient: both are donated.
+    self._update = jax.jit(plan.scope(update), in_shardings=(sh, batch, grads_sh, rep),
+                           out_shardings=(sh, rep), donate_argnums=(0, 2))
     if self.rewards is None:
       self.rewards = rewards_lib.make_reward_service(c.reward)
       if hasattr(self.rewards, 'check'):
         self.rewards.check()
+
+  def _uses_data_grads(self):
+    algo = rl_lib.get_algorithm(self.config.algorithm)
+    return algo.uses_data and self.config.rl.data_beta > 0
 
   def event(self, name, **info):
     """Records a named point of the current iteration (and calls the hooks, e.g. a test's)."""
@@ -450,7 +503,7 @@ class Trainer:
     """
     c = self.config
     k_cond, k_roll, k_data, _ = self.iteration_keys(it)
-    batch = parallel.batch_sharding(self.mesh)
+    batch = self.plan.batch()
     if self.loader is None:
       cond = self.task.conditions(k_cond, c.batch_size)
       x0, prompts = None, self.task.prompts(cond)     # x0 is made while the rewards are scored
@@ -458,7 +511,8 @@ class Trainer:
       records = next(self.loader)
       cond, x0 = self.task.from_records(records, k_cond)
       prompts = list(records['prompt'])
-    slots = jax.device_put(rl_lib.repeat_groups(cond, c.num_rollouts), batch)
+    slots = jax.tree.map(lambda a: np.repeat(np.asarray(a), c.num_rollouts, axis=0), cond)
+    slots = parallel.place(slots, jax.tree.map(lambda _: batch, slots))
     traj = jax.block_until_ready(self._rollout(self.state.params, slots, k_roll))
     self.event('rollout_done')
     media, valid = self.task.reward_inputs(traj.x0[:, 0], slots)
@@ -467,7 +521,7 @@ class Trainer:
     self.event('rewards_submitted', num=len(slot_prompts))
     if x0 is None:
       x0 = self.task.data(k_data, cond)
-    data = jax.device_put(DataBatch(x0=x0, cond=cond), parallel.replicated(self.mesh))
+    data = place_data(self.plan, DataBatch(x0=x0, cond=cond))
     return RolloutBatch(traj=traj, rewards=None, cond=slots), pending, valid, data
 
   def await_rewards(self, pending, valid):
@@ -505,7 +559,7 @@ class Trainer:
     rewards, counts = self.await_rewards(pending, valid)
     self.event('rewards_ready')
     t3 = time.perf_counter()
-    rollout = rollout._replace(rewards=jax.device_put(rewards, parallel.batch_sharding(self.mesh)))
+    rollout = rollout._replace(rewards=parallel.place(rewards, self.plan.batch()))
     self.state, metrics = self._update(self.state, rollout, grads, key)
     metrics = combine_metrics(metrics, data_metrics, c)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -529,7 +583,7 @@ class Trainer:
     make_cond = getattr(self.task, 'eval_conditions', self.task.conditions)
     cond = rl_lib.repeat_groups(make_cond(root, groups), slots // groups)
     host_cond = jax.device_get(cond)
-    cond = jax.device_put(cond, parallel.batch_sharding(self.mesh))
+    cond = parallel.place(jax.device_get(cond), jax.tree.map(lambda _: self.plan.batch(), cond))
     out = {}
     for name, params in (('eval', self.state.params), ('eval_ema', self.state.ema_params)):
       if params is None:

@@ -3,8 +3,11 @@ import types
 
 import jax
 
-# Eight fake CPU devices for the sharding tests; must run before any JAX backend starts.
+# Eight fake CPU devices for the sharding tests; must run before any JAX backend starts. The CPU platform
+# only: with libtpu installed (the aot extra) JAX would otherwise probe for TPU chips in every process and
+# hold libtpu's lock file (AOT compiles for TPU topologies still work, see parallel/topology.py).
 jax.config.update('jax_num_cpu_devices', 8)
+jax.config.update('jax_platforms', 'cpu')
 
 import jax.numpy as jnp
 import numpy as np

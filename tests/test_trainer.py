@@ -139,10 +139,11 @@ def test_sharded_step_equals_single_device(preset):
     put = lambda x, s: jax.device_put(x, s)
     (loss, metrics), grads = jax.jit(loss_and_grad, in_shardings=(rep, batch, batch))(
         put(params, rep), put(rollout, batch), put(data_term, batch))
+    plan = parallel.ShardingPlan.from_config(config, mesh)
     state = trainer_lib.init_train_state(jax.tree.map(jnp.copy, params), config, optimizer)
-    state = jax.device_put(state, rep)
-    new_state, step_metrics = trainer_lib.jit_train_step(step_fn, mesh)(
-        state, put(flat, batch), put(data, rep), key)
+    state_sh = plan.state(jax.eval_shape(lambda s: s, state), optimizer)
+    new_state, step_metrics = trainer_lib.jit_train_step(step_fn, plan, state_sh)(
+        jax.device_put(state, state_sh), put(flat, batch), trainer_lib.place_data(plan, data), key)
     if n == 8:
       assert len(put(flat, batch).traj.x_in.sharding.device_set) == 8
     results[n] = jax.device_get((loss, grads, new_state.params, step_metrics))

@@ -11,7 +11,12 @@ run under `nnx.scan` with `nnx.remat`, so compile time does not grow with depth.
 
 Precision: matmuls run in `config.dtype`; the timestep embedding, every adaLN modulation, the
 LayerNorms, RoPE and the final layer run in float32, and the residual stream is kept in float32
-(the "wan fp32 strategy" of the reference).
+(the "wan fp32 strategy" of the reference). `compute_cast_fn` casts the parameters of the
+`config.dtype` layers once, so an FSDP all-gather moves them in that dtype.
+
+Sharding: parameters carry logical axis names and activations are constrained by logical names
+(RESIDUAL_NAMES at every block boundary, QKV_NAMES, the MLP hidden); ddrl_jax/parallel maps the names to
+mesh axes, and the model knows nothing of meshes.
 """
 import dataclasses
 import math
@@ -20,6 +25,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from ddrl_jax.models import attention as attention_lib
+from ddrl_jax.parallel.plan import constrain
+from ddrl_jax.parallel.plan import self_attention
 
 REMAT_POLICIES = {
     'none': None,
@@ -30,6 +39,11 @@ REMAT_POLICIES = {
 }
 
 
+# Logical names of activations (ddrl_jax/parallel/rules.py maps them to mesh axes; no-ops without a plan).
+RESIDUAL_NAMES = ('act_batch', 'act_frames', None, 'act_embed')     # (B, T', H'W', D)
+QKV_NAMES = ('act_batch', 'act_seq', 'act_heads', 'act_kv')         # (B, S, N, Hd)
+
+
 @dataclasses.dataclass(frozen=True)
 class CosmosDiTConfig:
   """Hyper-parameters of the Cosmos DiT (see cosmos_predict25_architecture.md section 1.1).
@@ -37,7 +51,9 @@ class CosmosDiTConfig:
   crossattn_in: width of the raw text embedding (100352 = 28 Qwen layers x 3584); None means the
     context is already `context_dim` wide and there is no `crossattn_proj`.
   remat_policy: one of REMAT_POLICIES ('none' disables rematerialisation of the block body).
-  attention_impl: passed to `jax.nn.dot_product_attention(implementation=...)` (None = let JAX pick).
+  attention: the local attention kernel and its tiling (models/attention.py); self-attention becomes
+    context-parallel under a sharding plan with a context axis (parallel/plan.self_attention), and the
+    short cross-attention stays on 'xla' (min_flash_len).
   """
   in_channels: int = 16
   model_channels: int = 2048
@@ -57,7 +73,7 @@ class CosmosDiTConfig:
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   remat_policy: str = 'full'
-  attention_impl: str | None = None
+  attention: attention_lib.AttentionConfig = attention_lib.AttentionConfig()
   # Cosmos' `extra_per_block_abs_pos_emb` (off in Predict2.5-2B/14B): learned per-axis absolute positions,
   # summed, RMS-normalized and added to the residual at the start of every block; tables of
   # extra_pos_max_size = (T', H', W') tokens. RoPE alone gives attention only relative positions.
@@ -257,12 +273,17 @@ class Attention(nnx.Module):
     """x (B, S, D), context (B, L, kv_dim) -> (B, S, D)."""
     b, s, _ = x.shape
     n, hd = self.cfg.num_heads, self.cfg.head_dim
-    q = self.q_norm(self.q_proj(x).reshape(b, s, n, hd))
+    kv_seq = 'act_seq' if rope is not None else 'act_text'
+    q = constrain(self.q_norm(self.q_proj(x).reshape(b, s, n, hd)), QKV_NAMES)
     k = self.k_norm(self.k_proj(context).reshape(b, context.shape[1], n, hd))
     v = self.v_proj(context).reshape(b, context.shape[1], n, hd)
-    if rope is not None:
+    k = constrain(k, ('act_batch', kv_seq, 'act_heads', 'act_kv'))
+    v = constrain(v, ('act_batch', kv_seq, 'act_heads', 'act_kv'))
+    if rope is not None:   # self-attention: context-parallel under a plan with a context axis
       q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    out = jax.nn.dot_product_attention(q, k, v, implementation=self.cfg.attention_impl)
+      out = self_attention(q, k, v, self.cfg.attention)
+    else:
+      out = attention_lib.attend(q, k, v, self.cfg.attention)
     return self.output_proj(out.reshape(b, s, n * hd))
 
 
@@ -276,7 +297,8 @@ class MLP(nnx.Module):
     self.layer2 = _linear(f, d, ('mlp', 'embed'), rngs, **kw)
 
   def __call__(self, x):
-    return self.layer2(jax.nn.gelu(self.layer1(x), approximate=False))
+    hidden = constrain(self.layer1(x), ('act_batch', 'act_seq', 'act_mlp'))
+    return self.layer2(jax.nn.gelu(hidden, approximate=False))
 
 
 class Block(nnx.Module):
@@ -421,7 +443,7 @@ class CosmosDiT(nnx.Module):
       raise ValueError(f'remat_policy={policy_name!r} not in {sorted(REMAT_POLICIES)}')
 
     def body(block, carry):
-      return block(carry, context, emb, lora, rope, extra_pos)
+      return constrain(block(carry, context, emb, lora, rope, extra_pos), RESIDUAL_NAMES)
 
     if policy_name != 'none':
       body = nnx.remat(body, policy=REMAT_POLICIES[policy_name], prevent_cse=False)
@@ -451,6 +473,34 @@ class CosmosDiT(nnx.Module):
     extra_pos = None
     if self.extra_pos_embedder is not None:
       extra_pos = self.extra_pos_embedder(t, h // ph, w // pw)
-    hidden = self._run_blocks(tokens.astype(jnp.float32), context, emb, lora, rope, extra_pos)
+    tokens = constrain(tokens.astype(jnp.float32), RESIDUAL_NAMES)
+    hidden = self._run_blocks(tokens, context, emb, lora, rope, extra_pos)
     out = self.final_layer(hidden, emb, lora).reshape(b, t, h // ph, w // pw, -1)
     return unpatchify(out, cfg.patch, c).astype(x.dtype)
+
+
+def compute_cast_fn(model):
+  """A function params -> params with the kernels and biases of every Linear that computes in a lower
+  dtype than it stores (bf16 matmuls on fp32 masters) cast to that dtype, the fp32 islands untouched.
+
+  Cast once at the top of a jitted step, the FSDP all-gathers inside the layer scan then move bf16 (half
+  the bytes), and the gradient with respect to the cast copy equals the gradient through the per-use cast
+  that nnx.Linear does itself. `model` may be abstract (nnx.eval_shape)."""
+  cast = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Linear) and node.dtype is not None and \
+        jnp.dtype(node.dtype) != jnp.dtype(node.param_dtype):
+      cast[tuple(path)] = node.dtype
+  if not cast:
+    return lambda params: params
+
+  def apply(params):
+    def leaf(path, a):
+      keys = tuple(getattr(k, 'key', getattr(k, 'name', k)) for k in path)
+      dtype = cast.get(keys[:-2]) if keys[-1] == 'value' else cast.get(keys[:-1])
+      return a.astype(dtype) if dtype is not None and keys[-2 if keys[-1] == 'value' else -1] in (
+          'kernel', 'bias') else a
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+  return apply
+

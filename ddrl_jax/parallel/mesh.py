@@ -1,8 +1,8 @@
-"""The device mesh (data, fsdp, context, tensor) and the shardings of train state and batches.
+"""The device mesh (data, fsdp, context, tensor).
 
-For now the step is data-parallel: parameters and optimizer state are replicated and batches are split
-over (data, fsdp) on their leading B axis. FSDP (parameters over fsdp via logical axis names) and context
-parallelism (sequence over context) will change only this module.
+Batches split their leading slot axis over (data, fsdp); parameters follow the logical rules of
+`rules.py` (FSDP over fsdp, replicated over data); the sequence of a video splits over context
+(`plan.py`, `context.py`).
 """
 import math
 
@@ -60,7 +60,3 @@ def batch_sharding(mesh):
   """Leading axis over (data, fsdp), the rest replicated."""
   return NamedSharding(mesh, P(BATCH_AXES))
 
-
-def state_shardings(mesh, state):
-  """Shardings for the train state pytree: replicated (data parallel)."""
-  return jax.tree.map(lambda _: replicated(mesh), state)

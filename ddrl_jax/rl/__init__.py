@@ -7,6 +7,7 @@ from ddrl_jax.rl.algorithms import ALGORITHMS
 from ddrl_jax.rl.algorithms import Algorithm
 from ddrl_jax.rl.algorithms import DataTerm
 from ddrl_jax.rl.algorithms import data_loss
+from ddrl_jax.rl.algorithms import data_loss_and_grad
 from ddrl_jax.rl.algorithms import dance_grpo_loss
 from ddrl_jax.rl.algorithms import ddpo_loss
 from ddrl_jax.rl.algorithms import ddrl_loss
@@ -14,6 +15,7 @@ from ddrl_jax.rl.algorithms import flow_grpo_loss
 from ddrl_jax.rl.algorithms import get_algorithm
 from ddrl_jax.rl.algorithms import repeat_groups
 from ddrl_jax.rl.algorithms import rl_loss
+from ddrl_jax.rl.algorithms import rl_loss_and_grad
 from ddrl_jax.rl.diffusion_loss import cosmos_loss_weight
 from ddrl_jax.rl.diffusion_loss import drop_condition
 from ddrl_jax.rl.diffusion_loss import velocity_loss

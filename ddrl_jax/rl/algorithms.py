@@ -5,6 +5,16 @@ the trained step indices (B, N, K), and returns (scalar loss, metrics). The K tr
 `lax.scan` (compile time independent of K), the network is recomputed only at those steps, and the rollout's
 stored means play the old policy: DDRL and DanceGRPO/DDPO need no copy of old or reference parameters.
 
+Two forms of the same objective:
+  * `rl_loss` / `data_loss` (and the named losses) return the loss; `jax.grad` of them differentiates the
+    scan over K, so reverse mode keeps the residuals of all K steps at once. This is the reference form.
+  * `rl_loss_and_grad` / `data_loss_and_grad` return (loss, metrics, grads): a scan over the K steps whose
+    body takes the gradient of one step's term and adds it to a float32 gradient carry (cosmos-rl
+    back-propagates each trained step separately too). Exact (every term is a mean over steps of
+    per-step terms, the PPO clip is per step), and activation memory does not grow with K. The trainer
+    uses this form; gradients are taken with respect to the `params` given (e.g. a bf16 compute copy) and
+    accumulated in float32.
+
     L = loss_scale * mean_k [ L_pg,k + kl_beta * KL_k + data_beta * L_data,k ]      (full)
     L = loss_scale * ( mean_k [ L_pg,k ] + data_beta * L_data at one random trained step )   (reduced)
 """
@@ -82,6 +92,36 @@ def _step_inputs(picked):
   return samplers.StepInputs(**{f: picked[f] for f in samplers.StepInputs._fields})
 
 
+def _f32_zeros(tree):
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+
+
+def _accumulate(acc, grads, scale=1.0):
+  return jax.tree.map(lambda a, g: a + scale * g.astype(jnp.float32), acc, grads)
+
+
+def data_loss_and_grad(apply_fn, params, sampler, traj, steps, data, key):
+  """`data_loss` and its gradient, accumulated one trained step at a time ('full'; 'reduced' has one
+  term). Returns (loss, float32 grads with the structure of params)."""
+  num_k = steps.shape[-1]
+  k_steps, k_reduced = jax.random.split(key)
+  if data.steps == 'reduced':
+    value, grads = jax.value_and_grad(
+        lambda p: data_loss(apply_fn, p, sampler, traj, steps, data, key))(params)
+    return value, _accumulate(_f32_zeros(params), grads)
+
+  def body(acc, xs):
+    step, step_key = xs
+    inp = _step_inputs(samplers.gather_step(traj, step))
+    value, grads = jax.value_and_grad(
+        lambda p: _data_loss_at(apply_fn, p, sampler, inp, traj.noise, data, step_key))(params)
+    return _accumulate(acc, grads, 1.0 / num_k), value
+
+  grads, per_step = jax.lax.scan(body, _f32_zeros(params),
+                                 (jnp.moveaxis(steps, -1, 0), jax.random.split(k_steps, num_k)))
+  return per_step.mean(), grads
+
+
 def data_loss(apply_fn, params, sampler, traj, steps, data, key):
   """DDRL's diffusion loss on `data` (a `DataTerm`) at the noise levels of the trained steps.
 
@@ -121,7 +161,7 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
     traj: `Trajectory` with (B, N, T, ...) step fields.
     advantages: (B, N).
     steps: (B, N, K) int32 trained step indices.
-    cond: pytree of (B, ...) rollout conditions.
+    cond: pytree of (B, ...) rollout conditions, or of (B*N, ...) per-slot ones.
     key: PRNG key (data noise, condition dropout, the reduced variant's step draw).
     clip_range: PPO epsilon.
     log_ratio_form: 'cosmos' or 'gaussian' (see `policy.log_ratio`).
@@ -137,33 +177,13 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
   Returns:
     (loss, metrics dict of scalars).
   """
-  if old_mean not in ('rollout', 'detached'):
-    raise ValueError(f"old_mean must be 'rollout' or 'detached', got {old_mean!r}")
-  if kl_beta > 0 and ref_params is None:
-    raise ValueError('kl_beta > 0 needs ref_params')
+  _check_rl_options(old_mean, kl_beta, ref_params)
   picked = samplers.gather_steps(traj, steps)
-
-  # The rollout's own step function recomputes the means with `params`.
-  batched_mean = lambda p, inp: sampler.batched_step(apply_fn, p, inp, cond)[0]
-
-  def body(_, pick):
-    inp = _step_inputs(pick)
-    mean_theta = batched_mean(params, inp)
-    mean_old = pick['mean'] if old_mean == 'rollout' else jax.lax.stop_gradient(mean_theta)
-    lr = policy.log_ratio(pick['x_next'], mean_theta, mean_old, pick['std'], log_ratio_form)
-    pg, ratio, clipped = policy.clipped_policy_loss(advantages, lr, clip_range)
-    out = dict(pg_loss=pg.mean(), ratio_mean=ratio.mean(),
-               ratio_max_dev=jnp.abs(ratio - 1.0).max(), clipfrac=clipped.mean(),
-               approx_kl=0.5 * (lr**2).mean())
-    if kl_beta > 0:
-      mean_ref = jax.lax.stop_gradient(batched_mean(ref_params, inp))
-      sq = ((mean_theta - mean_ref)**2).reshape(mean_ref.shape[:2] + (-1,)).mean(-1)
-      out['kl'] = (sq / (2.0 * pick['std']**2)).mean()
-    return None, out
-
-  _, per_step = jax.lax.scan(body, None, picked)
-  metrics = {k: v.mean() for k, v in per_step.items()}
-  metrics['ratio_max_dev'] = per_step['ratio_max_dev'].max()
+  step = functools.partial(_policy_step, apply_fn, sampler, advantages, cond, ref_params=ref_params,
+                           clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
+                           old_mean=old_mean)
+  _, per_step = jax.lax.scan(lambda _, pick: (None, step(params, pick)[1]), None, picked)
+  metrics = _step_metrics(per_step)
   total = metrics['pg_loss']
   if kl_beta > 0:
     total = total + kl_beta * metrics['kl']
@@ -173,6 +193,73 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
   total = loss_scale * total
   metrics['loss'] = total
   return total, metrics
+
+
+def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
+                     log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
+                     data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout'):
+  """`rl_loss` with its gradient accumulated one trained step at a time (module docstring).
+
+  Same arguments as `rl_loss`. Returns (loss, metrics, grads): the loss and metrics equal rl_loss's, and
+  grads (float32, the structure of params) equal jax.grad of it up to float summation order.
+  """
+  _check_rl_options(old_mean, kl_beta, ref_params)
+  num_k = steps.shape[-1]
+  step = functools.partial(_policy_step, apply_fn, sampler, advantages, cond, ref_params=ref_params,
+                           clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
+                           old_mean=old_mean)
+
+  def body(acc, step_k):      # step_k (B, N): this step's inputs are gathered here, one step at a time
+    (_, out), grads = jax.value_and_grad(step, has_aux=True)(params, samplers.gather_step(traj, step_k))
+    return _accumulate(acc, grads, loss_scale / num_k), out
+
+  grads, per_step = jax.lax.scan(body, _f32_zeros(params), jnp.moveaxis(steps, -1, 0))
+  metrics = _step_metrics(per_step)
+  total = metrics['pg_loss']
+  if kl_beta > 0:
+    total = total + kl_beta * metrics['kl']
+  if data is not None:
+    metrics['data_loss'], data_grads = data_loss_and_grad(apply_fn, params, sampler, traj, steps, data,
+                                                          key)
+    grads = _accumulate(grads, data_grads, loss_scale * data.beta)
+    total = total + data.beta * metrics['data_loss']
+  total = loss_scale * total
+  metrics['loss'] = total
+  return total, metrics, grads
+
+
+def _check_rl_options(old_mean, kl_beta, ref_params):
+  if old_mean not in ('rollout', 'detached'):
+    raise ValueError(f"old_mean must be 'rollout' or 'detached', got {old_mean!r}")
+  if kl_beta > 0 and ref_params is None:
+    raise ValueError('kl_beta > 0 needs ref_params')
+
+
+def _policy_step(apply_fn, sampler, advantages, cond, params, pick, *, ref_params, clip_range,
+                 log_ratio_form, kl_beta, old_mean):
+  """One trained step's policy terms: (pg + kl_beta * kl, metrics of the step); pick as gather_steps'
+  entries at one k ((B, N, ...) fields)."""
+  inp = _step_inputs(pick)
+  mean_theta = sampler.batched_step(apply_fn, params, inp, cond)[0]
+  mean_old = pick['mean'] if old_mean == 'rollout' else jax.lax.stop_gradient(mean_theta)
+  lr = policy.log_ratio(pick['x_next'], mean_theta, mean_old, pick['std'], log_ratio_form)
+  pg, ratio, clipped = policy.clipped_policy_loss(advantages, lr, clip_range)
+  out = dict(pg_loss=pg.mean(), ratio_mean=ratio.mean(), ratio_max_dev=jnp.abs(ratio - 1.0).max(),
+             clipfrac=clipped.mean(), approx_kl=0.5 * (lr**2).mean())
+  term = out['pg_loss']
+  if kl_beta > 0:
+    mean_ref = jax.lax.stop_gradient(sampler.batched_step(apply_fn, ref_params, inp, cond)[0])
+    sq = ((mean_theta - mean_ref)**2).reshape(mean_ref.shape[:2] + (-1,)).mean(-1)
+    out['kl'] = (sq / (2.0 * pick['std']**2)).mean()
+    term = term + kl_beta * out['kl']
+  return term, out
+
+
+def _step_metrics(per_step):
+  """Means over the K steps of the per-step metrics (the max for ratio_max_dev)."""
+  metrics = {k: v.mean() for k, v in per_step.items()}
+  metrics['ratio_max_dev'] = per_step['ratio_max_dev'].max()
+  return metrics
 
 
 def ddrl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, data, key, *,
@@ -241,17 +328,26 @@ class Algorithm:
     perm = jax.vmap(lambda kk: jax.random.permutation(kk, pool))(keys)
     return perm[:, :k].reshape(batch, num_rollouts, k)
 
+  def _options(self, ref_params, data, rl):
+    """rl_loss keyword arguments from an `rl` ConfigDict (see configs/): the named losses' wiring."""
+    kw = dict(clip_range=rl.clip_range, log_ratio_form=rl.log_ratio or self.default_log_ratio,
+              loss_scale=rl.loss_scale, old_mean=rl.old_mean)
+    if self.uses_data:
+      kw['data'] = data
+    if self.uses_reference:
+      kw.update(ref_params=ref_params, kl_beta=rl.kl_beta)
+    return kw
+
   def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, rl):
-    """Calls the algorithm's loss with the options of an `rl` ConfigDict (see configs/)."""
-    common = dict(clip_range=rl.clip_range, log_ratio_form=rl.log_ratio or self.default_log_ratio,
-                  loss_scale=rl.loss_scale, old_mean=rl.old_mean)
-    if self.name == 'ddrl':
-      return ddrl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, data, key, **common)
-    if self.name == 'flow_grpo':
-      return flow_grpo_loss(apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, key,
-                            kl_beta=rl.kl_beta, **common)
-    fn = dance_grpo_loss if self.name == 'dance_grpo' else ddpo_loss
-    return fn(apply_fn, params, sampler, traj, advantages, steps, cond, key, **common)
+    """The algorithm's loss (the reference form) with the options of an `rl` ConfigDict."""
+    return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key,
+                   **self._options(ref_params, data, rl))
+
+  def loss_and_grad(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key,
+                    rl):
+    """(loss, metrics, float32 grads): `loss` with the gradient accumulated per trained step."""
+    return rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, key,
+                            **self._options(ref_params, data, rl))
 
 
 ALGORITHMS = {

@@ -1,10 +1,13 @@
 """Rollout samplers: T steps under `jax.lax.scan`, vmapped over the N rollouts of each of B groups.
 
 A denoiser is any ``apply_fn(params, x_t, t, cond) -> velocity`` with a leading batch axis on x_t, t and
-cond (a pytree). The samplers call it on one sample at a time (batch 1) inside `jax.vmap`, so XLA sees a
-(B, N)-batched network call per step. The training-time recompute of a step mean goes through the same
-`Sampler.batched_step`; in a separately compiled program it matches the stored mean up to round-off
-(about 1 ulp on CPU), which is why the losses offer `old_mean='detached'` for an exactly-1 ratio.
+cond (a pytree). The samplers call it once per step on all B*N rollouts, flattened group-major (slot
+b*N + n is rollout n of group b), so the network sees one real batch axis: sharding constraints and
+context-parallel attention inside the model apply to it directly (a per-sample call inside vmap would
+hide the slot axis from them). The per-sample transition kernels are vmapped around that call. The
+training-time recompute of a step mean goes through the same `Sampler.batched_step`; in a separately
+compiled program it matches the stored mean up to round-off (about 1 ulp on CPU), which is why the
+losses offer `old_mean='detached'` for an exactly-1 ratio.
 """
 import dataclasses
 from typing import NamedTuple
@@ -71,6 +74,27 @@ def _call_single(apply_fn, params, x, t, cond):
   """Calls a batched apply_fn on one sample (adds and removes a batch axis of 1)."""
   batched = jax.tree.map(lambda a: a[None], cond)
   return apply_fn(params, x[None], jnp.reshape(t, (1,)), batched)[0]
+
+
+def slot_conditions(cond, batch, num_rollouts):
+  """Conditions per rollout slot: (B, ...) leaves are repeated N times (group-major); leaves that already
+  have B*N rows are per-slot and kept (the trainer holds them that way, sharded like the rollouts)."""
+  def per_slot(a):
+    if a.shape[0] == batch * num_rollouts:
+      return a
+    if a.shape[0] == batch:
+      return jnp.repeat(a, num_rollouts, axis=0)
+    raise ValueError(f'a condition of shape {a.shape} has neither B = {batch} nor B*N = '
+                     f'{batch * num_rollouts} rows')
+  return jax.tree.map(per_slot, cond)
+
+
+def _call_batched(apply_fn, params, x, t, cond):
+  """apply_fn on (B, N, *S) states and (B, N) times as one (B*N)-batch call; returns (B, N, *S)."""
+  b, n = t.shape
+  flat = lambda a: a.reshape((b * n,) + a.shape[2:])
+  v = apply_fn(params, flat(x), flat(t), slot_conditions(cond, b, n))
+  return v.reshape((b, n) + v.shape[1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,13 +181,16 @@ class Sampler:
     return gain**2 / (2.0 * std**2)
 
   def batched_step(self, apply_fn, params, inp, cond):
-    """(mean, std, x0_hat) of one step for every rollout: `inp` fields are (B, N, ...), cond (B, ...).
+    """(mean, std, x0_hat) of one step for every rollout: `inp` fields are (B, N, ...), cond (B, ...) or
+    per slot (B*N, ...).
 
-    The rollout and the training-time recompute both call this (vmap over N inside vmap over B; the
-    network sees one sample at a time).
+    The rollout and the training-time recompute both call this: one network call on the B*N flattened
+    rollouts, the per-sample kernel vmapped over (B, N).
     """
-    one = lambda i, c: self.step_mean(apply_fn, params, i, c)
-    return jax.vmap(jax.vmap(one, in_axes=(0, None)), in_axes=(0, 0))(inp, cond)
+    per_sample = lambda f: jax.vmap(jax.vmap(f))
+    x_net = per_sample(self.network_input)(inp.x_in, inp.t_in)
+    velocity = _call_batched(apply_fn, params, x_net, inp.t_in, cond)
+    return per_sample(self.kernel)(inp, velocity)
 
   def _batched(self, apply_fn, params, cond, key, num_rollouts, sample_shape, keep_trajectory):
     """Rollouts for a (B, N) batch: scan over the T steps of a step vmapped over (B, N)."""
@@ -199,10 +226,10 @@ class Sampler:
     mean_last = (rec[2] if keep_trajectory else rec[0])[-1]
     if self.is_cosmos:
       # cosmos ends with one clean call on the last (unchurned) mean at sigma_min.
-      t_min = jnp.float32(schedules.rf_time(float(self.sigmas[-1])))
-      last = lambda m, c: transitions.cosmos_x0(
-          m, _call_single(apply_fn, params, (1.0 - t_min) * m, t_min, c), t_min)
-      x0 = jax.vmap(jax.vmap(last, in_axes=(0, None)), in_axes=(0, 0))(mean_last, cond)
+      t_min = jnp.full(bn, schedules.rf_time(float(self.sigmas[-1])), jnp.float32)
+      x_net = jax.vmap(jax.vmap(self.network_input))(mean_last, t_min)
+      v_last = _call_batched(apply_fn, params, x_net, t_min, cond)
+      x0 = jax.vmap(jax.vmap(transitions.cosmos_x0))(mean_last, v_last, t_min)
       nfe += 1
     else:
       x0 = x_last
@@ -266,3 +293,15 @@ def gather_steps(traj, steps):
     picked = jnp.take_along_axis(arr, idx, axis=2)
     out[name] = jnp.moveaxis(picked, 2, 0)
   return out
+
+
+def gather_step(traj, step):
+  """One trained step per sample: step (B, N) int indices -> the `gather_steps` fields at them, each
+  (B, N, ...). Gathering inside a scan over K this way holds one step's inputs at a time."""
+  out = {}
+  for name in STEP_FIELDS:
+    arr = getattr(traj, name)
+    idx = step.reshape(step.shape + (1,) * (arr.ndim - 2))
+    out[name] = jnp.take_along_axis(arr, idx, axis=2)[:, :, 0]
+  return out
+

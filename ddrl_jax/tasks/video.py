@@ -50,6 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddrl_jax import parallel
+from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import cosmos_dit
 from ddrl_jax.models import text as text_lib
 from ddrl_jax.models import wan_vae
@@ -76,6 +78,8 @@ def dit_config(c):
              'tiny': cosmos_dit.tiny}
   kw = dict(c.dit_overrides) if c.get('dit_overrides') else {}
   kw.update(dtype=DTYPES[c.dtype], param_dtype=DTYPES[c.param_dtype], remat_policy=c.remat_policy)
+  if c.get('attention') is not None:
+    kw['attention'] = attention_lib.AttentionConfig(**dict(c.attention))
   return presets[c.model](**kw)
 
 
@@ -83,6 +87,23 @@ def vae_config(c):
   presets = {'wan21': wan_vae.wan21, 'tiny': wan_vae.tiny}
   kw = dict(c.vae_overrides) if c.get('vae_overrides') else {}
   return presets[c.vae](**kw)
+
+
+def place_converted(abstract, shardings, ckpt_dir, key):
+  """Converted parameters (host numpy) placed on the shardings of the abstract nnx.State `abstract`.
+
+  Raises ValueError naming the config key when the shapes differ from the configured model's."""
+  from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
+  loaded = convert.load_converted(ckpt_dir)
+  shapes = lambda st: jax.tree.map(lambda a: tuple(a.shape), st)
+  want, got = shapes(nnx.to_pure_dict(abstract)), shapes(loaded)
+  if want != got:
+    raise ValueError(f'{key}={ckpt_dir!r}: converted parameters do not match the configured model '
+                     f'(first differences: {_first_differences(want, got)})')
+  host = jax.tree.map(lambda a, v: np.asarray(a, v.dtype), loaded, nnx.to_pure_dict(abstract))
+  state = jax.tree.map(lambda a: a, abstract)
+  nnx.replace_by_pure_dict(state, host)
+  return parallel.place(state, shardings)
 
 
 def restore_converted(module, ckpt_dir, key):
@@ -181,6 +202,7 @@ class CosmosVideo:
                        f'{self.dit.in_channels}')
     self.text_dim = self.dit.crossattn_in or self.dit.context_dim
     self._vae = None
+    self.cast_params = None      # set by abstract_params
     self._latents = None
     self._text = None
     self._byte_embed_fn = None
@@ -200,9 +222,24 @@ class CosmosVideo:
     return make_apply_fn(graphdef, self.c.cond_timestep), params
 
   def abstract_params(self, key):
+    """(apply_fn, abstract params); also sets `cast_params`, the bf16 compute copy of the params."""
     model = nnx.eval_shape(lambda: self._build_model(key))
     graphdef, params = nnx.split(model)
+    self.cast_params = cosmos_dit.compute_cast_fn(model)
     return make_apply_fn(graphdef, self.c.cond_timestep), params
+
+  def init_params_sharded(self, key, shardings):
+    """Initial params placed on `shardings` shard by shard; no device ever holds the whole model.
+
+    Random init runs under jit with out_shardings (each device draws only its own slices; with
+    threefry_partitionable the values equal a single-device init). Converted weights
+    (config.cosmos.checkpoint) are read into host memory and each device receives its slices.
+    """
+    if self.c.checkpoint:
+      _, abstract = self.abstract_params(key)
+      return place_converted(abstract, shardings, self.c.checkpoint, 'config.cosmos.checkpoint')
+    init = lambda k: nnx.split(self._build_model(k))[1]
+    return parallel.sharded_init(init, shardings, key)
 
   # ------------------------------------------------------------------------- VAE and dataset
   def _vae_fns(self):

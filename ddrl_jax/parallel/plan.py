@@ -1,0 +1,183 @@
+"""The sharding plan of a run: the mesh, the resolved logical rules and the context-parallel choice.
+
+The trainer builds one `ShardingPlan` from the config and asks it for every sharding: parameters, the
+train state (optimizer state via optax.tree_map_params, EMA and reference like the parameters), rollout
+batches and replicated values. Traced functions run under `plan.scope(fn)`, which makes the plan the
+active one while JAX traces them; the models' `constrain(x, logical_names)` and `self_attention(...)`
+read it, and are plain no-ops / the local kernel when no plan is active (toy2d, OCR on one device,
+unit tests), so models never see a mesh.
+"""
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ddrl_jax.models import attention as attention_lib
+from ddrl_jax.parallel import context as context_lib
+from ddrl_jax.parallel import rules as rules_lib
+
+CONTEXT_IMPLS = ('none', 'ulysses', 'ring')
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardingPlan:
+  """mesh: a Mesh (or AbstractMesh for shape-only checks) with axes parallel.AXES.
+  rules: resolved {logical name: mesh axes tuple}.
+  context_impl: self-attention over a context-sharded sequence: 'none' (GSPMD), 'ulysses' or 'ring'.
+  max_replicated_fraction: the `assert_sufficiently_sharded` tolerance on meshes that shard parameters.
+  """
+  mesh: Any
+  rules: dict
+  context_impl: str = 'none'
+  max_replicated_fraction: float = 0.02
+
+  @classmethod
+  def from_config(cls, config, mesh):
+    """The plan of `config.sharding` on `mesh` (default rules where the config has no sharding section)."""
+    s = config.get('sharding') or {}
+    rules = dict(rules_lib.DEFAULT_RULES)
+    rules.update(dict(s.get('rules') or {}))
+    impl = s.get('context_impl', 'none')
+    if impl not in CONTEXT_IMPLS:
+      raise ValueError(f'config.sharding.context_impl={impl!r}; known: {CONTEXT_IMPLS}')
+    return cls(mesh=mesh, rules=rules_lib.resolve_rules(rules, s.get('fsdp_axes', 'fsdp'), mesh.axis_names),
+               context_impl=impl, max_replicated_fraction=float(s.get('max_replicated_fraction', 0.02)))
+
+  @property
+  def axis_sizes(self):
+    return dict(self.mesh.shape)
+
+  def spec(self, logical, shape, what='array'):
+    return rules_lib.mesh_spec(logical, shape, self.rules, self.axis_sizes, what)
+
+  def sharding(self, logical, shape, what='array'):
+    return NamedSharding(self.mesh, self.spec(logical, shape, what))
+
+  def replicated(self):
+    return NamedSharding(self.mesh, P())
+
+  def batch(self):
+    """Leading (slot) axis over the activation batch axes (data, fsdp), the rest replicated."""
+    return NamedSharding(self.mesh, P(self.rules['act_batch'] or None))
+
+  def params(self, abstract_params):
+    """NamedShardings of a parameter tree by its logical names."""
+    return rules_lib.param_shardings(abstract_params, self.mesh, self.rules)
+
+  def shards_params(self):
+    """Whether the parameter rules use a mesh axis of size > 1 (then the replication check applies)."""
+    return any(self.axis_sizes.get(a, 1) > 1 for name, axes in self.rules.items()
+               if not rules_lib.is_activation_rule(name) for a in axes)
+
+  def check_params(self, abstract_params, shardings):
+    """The parameter sharding report; raises when too much is replicated on a parameter-sharding mesh."""
+    if self.shards_params():
+      return rules_lib.assert_sufficiently_sharded(abstract_params, shardings,
+                                                   self.max_replicated_fraction)
+    return rules_lib.sharding_report(abstract_params, shardings)
+
+  def state(self, abstract_state, optimizer, param_fields=('params', 'ema_params', 'ref_params'),
+            opt_field='opt_state'):
+    """Shardings of a NamedTuple train state: `param_fields` follow the parameter rules, `opt_field` the
+    parameters it tracks (optax.tree_map_params; its counters are replicated), everything else replicated.
+    A field that is None stays None."""
+    param_sh = self.params(abstract_state.params)
+    rep = self.replicated()
+    out = {}
+    for field, value in abstract_state._asdict().items():
+      if value is None:
+        out[field] = None
+      elif field in param_fields:
+        out[field] = param_sh
+      elif field == opt_field:
+        out[field] = optax.tree_map_params(
+            optimizer, lambda _, s: s, value, param_sh, transform_non_params=lambda _: rep,
+            is_leaf=lambda x: isinstance(x, NamedSharding))
+      else:
+        out[field] = jax.tree.map(lambda _: rep, value)
+    return type(abstract_state)(**out)
+
+  def scope(self, fn):
+    """`fn` with this plan active while it runs (i.e. while jit traces it)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+      with active(self):
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def active(plan):
+  """Makes `plan` the one `constrain` and `self_attention` use (None: none)."""
+  old = getattr(_state, 'plan', None)
+  _state.plan = plan
+  try:
+    yield plan
+  finally:
+    _state.plan = old
+
+
+def current():
+  """The active ShardingPlan, or None."""
+  return getattr(_state, 'plan', None)
+
+
+def constrain(x, logical):
+  """with_sharding_constraint by logical names under the active plan; x unchanged without one.
+
+  Inside vmap the names describe the per-example shape; a name whose dimension does not divide its mesh
+  axes (e.g. 'act_batch' on a batch of 1) drops them, as everywhere in the rules."""
+  plan = current()
+  if plan is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, plan.sharding(logical, x.shape, 'activation'))
+
+
+def self_attention(q, k, v, cfg):
+  """Self-attention q, k, v (B, S, N, Hd) -> (B, S, N, Hd) with the local kernel of `cfg`
+  (models.attention.AttentionConfig), context-parallel (Ulysses or ring over the 'context' axis, by
+  `config.sharding.context_impl`) when the active plan has a context axis > 1; else the local kernel
+  and GSPMD."""
+  plan = current()
+  if plan is None or plan.context_impl == 'none' or plan.axis_sizes.get('context', 1) == 1:
+    return attention_lib.attend(q, k, v, cfg)
+  axes = lambda name: tuple(a for a in plan.rules[name] if plan.axis_sizes.get(a, 1) > 1)
+  seq, heads = axes('act_seq'), axes('act_heads')
+  if seq != ('context',) or heads not in ((), ('tensor',)):
+    raise ValueError(f"context-parallel attention needs config.sharding.rules.act_seq='context' and "
+                     f"act_heads 'tensor' or ''; got act_seq={seq}, act_heads={heads}")
+  return context_lib.context_attention(q, k, v, plan.mesh, cfg, plan.context_impl,
+                                       batch_axes=axes('act_batch'), seq_axis='context',
+                                       head_axis='tensor')
+
+
+def place(tree, shardings):
+  """Puts every leaf on its sharding without ever holding a whole leaf on one device.
+
+  Host (numpy) leaves go through jax.make_array_from_callback (each device receives its own slice);
+  jax.Arrays are resharded with device_put. `shardings` has the structure of `tree` (None leaves kept)."""
+  def put(x, s):
+    if isinstance(x, jax.Array):
+      return x if x.sharding.is_equivalent_to(s, x.ndim) else jax.device_put(x, s)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+  return jax.tree.map(put, tree, shardings)
+
+
+def sharded_init(fn, shardings, *args):
+  """Runs `fn(*args)` under jit with `out_shardings`, so each device computes only its own shards."""
+  return jax.jit(fn, out_shardings=shardings)(*args)
+

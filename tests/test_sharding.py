@@ -1,0 +1,256 @@
+"""Sharding: logical rules at the paper's meshes, sharded init, gradients accumulated per trained step
+(equal to the gradient of the scan, memory flat in K), and the sharded DDRL update on FSDP x context
+meshes of 8 fake CPU devices equal to one device."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from configs import cosmos14b
+from configs import cosmos2b
+from ddrl_jax import config as config_lib
+from ddrl_jax import optim
+from ddrl_jax import parallel
+from ddrl_jax import trainer as trainer_lib
+from ddrl_jax.models import cosmos_dit
+from ddrl_jax.parallel import rules as rules_lib
+from ddrl_jax.rl import algorithms
+from ddrl_jax.tasks import video
+
+AXES = ('data', 'fsdp', 'context', 'tensor')
+
+
+def _abstract_mesh(shape):
+  return AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * 4)
+
+
+def _leaf(tree, *keys):
+  for k in keys:
+    tree = tree[k]
+  return tree
+
+
+# ------------------------------------------------------------------------------------ rules as data
+@pytest.mark.parametrize('module,mesh,fsdp,total_gib', [
+    (cosmos2b, (16, 8, 2, 1), 8, 7.671), (cosmos14b, (4, 32, 8, 1), 32, 53.525)])
+def test_paper_meshes_shard_parameters_and_optimizer_state(module, mesh, fsdp, total_gib):
+  config = module.get_config()
+  plan = parallel.ShardingPlan.from_config(config, _abstract_mesh(mesh))
+  task = video.CosmosVideo(config)
+  _, abstract = task.abstract_params(jax.random.key(0))
+  shardings = plan.params(abstract)
+  report = plan.check_params(abstract, shardings)
+  assert report['total_bytes'] / 2**30 == pytest.approx(total_gib, rel=1e-3)
+  assert report['replicated_fraction'] < 1e-4          # only the per-head q/k norm scales
+  assert report['per_device_bytes'] == pytest.approx(report['total_bytes'] / fsdp, rel=1e-3)
+  spec = lambda *k: _leaf(shardings, *k).spec
+  assert spec('blocks', 'mlp', 'layer1', 'kernel') == P(None, 'fsdp')          # (L, D, 4D); tensor = 1
+  assert spec('blocks', 'self_attn', 'output_proj', 'kernel') == P(None, None, 'fsdp')
+  assert spec('crossattn_proj', 'kernel') == P('fsdp')                         # (100352, 1024)
+  assert spec('blocks', 'self_attn', 'q_norm', 'scale') == P()
+  # The optimizer's moments follow the parameters; its counters are replicated.
+  optimizer = optim.make_optimizer(config.optim)
+  abstract_state = jax.eval_shape(lambda p: trainer_lib.init_train_state(p, config, optimizer), abstract)
+  state_sh = plan.state(abstract_state, optimizer)
+  opt = rules_lib.sharding_report(abstract_state.opt_state, state_sh.opt_state)
+  assert opt['per_device_bytes'] == pytest.approx(2 * report['per_device_bytes'], rel=1e-3)
+  assert jax.tree.leaves(state_sh.ema_params) == jax.tree.leaves(shardings)
+  # FSDP over (fsdp, context), maxdiffusion's embed -> [context, fsdp]: 16 / 256 shards.
+  config.sharding.fsdp_axes = 'fsdp,context'
+  wide = parallel.ShardingPlan.from_config(config, _abstract_mesh(mesh)).params(abstract)
+  assert _leaf(wide, 'blocks', 'mlp', 'layer1', 'kernel').spec == P(None, ('fsdp', 'context'))
+  wide_report = rules_lib.sharding_report(abstract, wide)
+  assert wide_report['per_device_bytes'] == pytest.approx(
+      report['total_bytes'] / (fsdp * mesh[2]), rel=1e-3)
+
+
+def test_mesh_spec_drops_indivisible_axes_and_rejects_unknown_names():
+  rules = rules_lib.resolve_rules({'embed': 'fsdp,context', 'heads': 'tensor', 'mlp': 'fsdp'})
+  sizes = {'data': 2, 'fsdp': 4, 'context': 2, 'tensor': 1}
+  assert rules_lib.mesh_spec(('embed', 'heads'), (16, 8), rules, sizes) == P(('fsdp', 'context'))
+  assert rules_lib.mesh_spec(('embed',), (12,), rules, sizes) == P('fsdp')      # 12 % 8: context dropped
+  assert rules_lib.mesh_spec(('embed',), (6,), rules, sizes) == P()             # 6 % 4: replicated
+  assert rules_lib.mesh_spec(('embed', 'mlp'), (8, 8), rules, sizes) == P(('fsdp', 'context'))  # fsdp used
+  with pytest.raises(ValueError, match="no rule for the logical axis 'nope'"):
+    rules_lib.mesh_spec(('nope',), (8,), rules, sizes, 'w')
+  with pytest.raises(ValueError, match=r'config.sharding.rules.embed=.*unknown mesh axes \[.pod.\]'):
+    rules_lib.resolve_rules({'embed': 'pod'}, mesh_axes=AXES)
+  assert rules_lib.resolve_rules({'embed': 'fsdp', 'act_batch': 'data,fsdp'}, 'fsdp,context') == {
+      'embed': ('fsdp', 'context'), 'act_batch': ('data', 'fsdp')}    # activations keep fsdp
+
+
+def test_replicated_parameters_are_refused_on_an_fsdp_mesh():
+  config = cosmos2b.get_config('smoke')
+  config.mesh.data, config.mesh.fsdp = 4, 2
+  mesh = parallel.make_mesh(config.mesh, jax.devices())
+  plan = parallel.ShardingPlan.from_config(config, mesh)
+  plain = {'w': jax.ShapeDtypeStruct((64, 64), jnp.float32)}    # no logical names: replicated
+  with pytest.raises(ValueError, match='100.0% of the parameter bytes are replicated.*'
+                                       'max_replicated_fraction'):
+    plan.check_params(plain, plan.params(plain))
+
+
+def test_validation_names_context_keys():
+  config = cosmos2b.get_config('smoke')
+  config.mesh.data, config.mesh.context = -1, 4        # 2 latent frames over 4
+  with pytest.raises(config_lib.ConfigError, match='config.cosmos.latent_shape.*2 latent frames'):
+    config_lib.validate(config, 8)
+  config = cosmos2b.get_config('smoke')
+  config.cosmos.latent_shape = (4, 4, 4)
+  config.mesh.data, config.mesh.context = -1, 4        # tiny DiT: 2 heads over 4
+  with pytest.raises(config_lib.ConfigError, match='config.mesh.context.*Ulysses.*2 heads'):
+    config_lib.validate(config, 8)
+  config.sharding.context_impl = 'ring'                # ring does not split heads
+  config_lib.validate(config, 8)
+  config.sharding.rules.embed = 'fsdp,pod'
+  with pytest.raises(config_lib.ConfigError, match='sharding.rules.embed'):
+    config_lib.validate(config, 8)
+
+
+# --------------------------------------------------------------------------------- sharded from birth
+def test_sharded_init_equals_single_device_init():
+  config = cosmos2b.get_config('smoke')
+  config.mesh.data, config.mesh.fsdp = 2, 4
+  task = video.CosmosVideo(config)
+  key = jax.random.key(3)
+  _, abstract = task.abstract_params(key)
+  results = {}
+  for devices in (jax.devices()[:1], jax.devices()):
+    config.mesh.data = 2 if len(devices) == 8 else 1
+    config.mesh.fsdp = 4 if len(devices) == 8 else 1
+    plan = parallel.ShardingPlan.from_config(config, parallel.make_mesh(config.mesh, devices))
+    shardings = plan.params(abstract)
+    params = task.init_params_sharded(key, shardings)
+    kernel = _leaf(params, 'blocks', 'mlp', 'layer1', 'kernel')
+    if len(devices) == 8:     # (L, 64, 256) over fsdp 4: each device holds a quarter
+      assert {s.data.shape for s in kernel.get_value().addressable_shards} == {(2, 16, 256)}
+    results[len(devices)] = jax.device_get(nnx.to_pure_dict(params))
+  chex.assert_trees_all_equal(results[1], results[8])
+
+
+# ------------------------------------------------------------------------- gradients per trained step
+def _tiny_dit_batch(config, b=4, n=2, seed=0):
+  """apply_fn, params, sampler, group rollouts (traj (B, N), cond (B, ...)), data x0 of the video task."""
+  task = video.CosmosVideo(config)
+  key = jax.random.key(seed)
+  apply_fn, abstract = task.abstract_params(key)
+  params = task.init_params_sharded(key, jax.tree.map(
+      lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract))
+  rng = np.random.RandomState(seed)
+  c, t, h, w = task.sample_shape
+  cond = dict(text=jnp.asarray(rng.randn(b, config.cosmos.text_length, task.text_dim), jnp.float32),
+              first_frame=jnp.asarray(rng.randn(b, c, 1, h, w), jnp.float32),
+              num_cond=jnp.asarray([0, 1] * (b // 2), jnp.int32), index=jnp.arange(b, dtype=jnp.int32))
+  sampler = trainer_lib.make_sampler(config)
+  traj = jax.jit(lambda p, c, k: sampler.rollout(apply_fn, p, c, k, num_rollouts=n,
+                                                 sample_shape=task.sample_shape))(
+      params, cond, jax.random.key(seed + 1))
+  x0 = jnp.asarray(rng.randn(b, *task.sample_shape), jnp.float32)
+  return task, apply_fn, params, sampler, traj, cond, x0
+
+
+@pytest.mark.parametrize('what', ['ddrl_full', 'ddrl_reduced', 'flow_grpo_kl'])
+def test_per_step_gradients_equal_the_gradient_of_the_scan(what, tiny_mlp):
+  """Toy MLP and the tiny DiT: rl_loss_and_grad (the trainer's form) against jax.grad of rl_loss."""
+  config = cosmos2b.get_config('smoke')
+  cases = []
+  if what == 'ddrl_full':       # the DiT once (compiles dominate on 2 cores), the MLP for every form
+    _, dit_fn, dit_params, sampler, traj, cond, x0 = _tiny_dit_batch(config)
+    cases.append((dit_fn, dit_params, traj, cond, x0))
+  sampler = trainer_lib.make_sampler(config)
+  mlp_traj = sampler.rollout(tiny_mlp.apply_fn, tiny_mlp.params, jnp.ones((4, 1)), jax.random.key(5),
+                             num_rollouts=2, sample_shape=(2,))
+  cases.append((tiny_mlp.apply_fn, tiny_mlp.params, mlp_traj, jnp.ones((4, 1)), jnp.ones((4, 2))))
+  for apply_fn, params, trj, cnd, data_x0 in cases:
+    b, n = trj.x0.shape[:2]
+    adv = jnp.asarray(np.random.RandomState(1).randn(b, n), jnp.float32)
+    steps = jnp.broadcast_to(jnp.asarray([0, 2], jnp.int32), (b, n, 2))
+    kw = dict(clip_range=0.2, log_ratio_form='cosmos', loss_scale=10.0)
+    if what.startswith('ddrl'):
+      kw['data'] = algorithms.DataTerm(x0=data_x0, cond=cnd, beta=0.5,
+                                       steps='reduced' if what == 'ddrl_reduced' else 'full')
+    else:
+      ref = jax.tree.map(lambda a: a * 0.9, params)
+      kw.update(ref_params=ref, kl_beta=0.3, log_ratio_form='gaussian')
+    key = jax.random.key(11)
+    ref_fn = jax.jit(jax.value_and_grad(
+        lambda p: algorithms.rl_loss(apply_fn, p, sampler, trj, adv, steps, cnd, key, **kw),
+        has_aux=True))
+    (loss0, metrics0), grads0 = ref_fn(params)
+    loss1, metrics1, grads1 = jax.jit(lambda p: algorithms.rl_loss_and_grad(
+        apply_fn, p, sampler, trj, adv, steps, cnd, key, **kw))(params)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    # atol: ratio_max_dev (~1e-5) is the round-off between the rollout's and this program's means.
+    chex.assert_trees_all_close(metrics1, metrics0, rtol=1e-6, atol=1e-6)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads0))
+    chex.assert_trees_all_close(grads1, grads0, rtol=1e-6, atol=1e-6 * scale)
+    assert scale > 0
+
+
+def test_per_step_gradient_memory_is_flat_in_k():
+  """compiled.memory_analysis() temp bytes at K = 2 and K = 8: within 15% for the per-step form, while
+  the gradient of the scan keeps every step's residuals."""
+  config = cosmos2b.get_config('smoke')
+  config.sampler.num_steps = 10
+  config.cosmos.dit_overrides = dict(num_blocks=1)
+  _, apply_fn, params, sampler, traj, cond, x0 = _tiny_dit_batch(config, b=4, n=2)
+  b, n = traj.x0.shape[:2]
+  adv = jnp.ones((b, n), jnp.float32)
+  data = algorithms.DataTerm(x0=x0, cond=cond, beta=0.5)
+  temp = {}
+  for k in (2, 8):
+    steps = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, n, k))
+    args = (params, traj, adv, steps, cond, jax.random.key(0))
+    kw = dict(clip_range=0.2, log_ratio_form='cosmos', data=data)
+    per_step = lambda p, t, a, s, c, key: algorithms.rl_loss_and_grad(
+        apply_fn, p, sampler, t, a, s, c, key, **kw)[2]
+    of_scan = lambda p, t, a, s, c, key: jax.grad(lambda q: algorithms.rl_loss(
+        apply_fn, q, sampler, t, a, s, c, key, **kw)[0])(p)
+    for name, fn in (('per_step', per_step), ('of_scan', of_scan)):
+      temp[name, k] = jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+  assert temp['per_step', 8] < 1.15 * temp['per_step', 2], temp
+  assert temp['of_scan', 8] > 1.5 * temp['of_scan', 2], temp   # the check can fail: the old form grows
+
+
+# --------------------------------------------------------------------------- the sharded DDRL update
+@pytest.mark.parametrize('mesh', [dict(data=2, fsdp=2, context=2), dict(data=1, fsdp=4, context=2)])
+def test_sharded_ddrl_update_equals_one_device(mesh):
+  """One fused DDRL step of the tiny DiT (FSDP parameters, Ulysses self-attention over 2 context
+  devices, sequence-sharded activations) equals the same step on one device."""
+  config = cosmos2b.get_config('smoke')
+  config.sharding.context_impl = 'ulysses'
+  task, apply_fn, params, sampler, traj, cond, x0 = _tiny_dit_batch(config, b=4, n=2)
+  b, n = traj.x0.shape[:2]
+  rewards = jnp.asarray(np.random.RandomState(2).rand(b, n), jnp.float32)
+  flat = trainer_lib.flat_rollout_batch(traj, rewards, cond)
+  data = trainer_lib.DataBatch(x0=x0, cond=cond)
+  optimizer = optim.make_optimizer(config.optim)
+  step_fn = trainer_lib.make_train_step(apply_fn, sampler, config, optimizer, task.cast_params)
+  key = jax.random.key(7)
+  results, texts = {}, {}
+  for devices, sizes in ((jax.devices()[:1], dict(data=1, fsdp=1, context=1)), (jax.devices(), mesh)):
+    config.mesh.update(sizes)
+    plan = parallel.ShardingPlan.from_config(config, parallel.make_mesh(config.mesh, devices))
+    state = trainer_lib.init_train_state(jax.tree.map(jnp.copy, params), config, optimizer)
+    state_sh = plan.state(jax.eval_shape(lambda s: s, state), optimizer)
+    fn = trainer_lib.jit_train_step(step_fn, plan, state_sh)
+    args = (parallel.place(state, state_sh), parallel.place(flat, jax.tree.map(lambda _: plan.batch(), flat)),
+            trainer_lib.place_data(plan, data), key)
+    texts[len(devices)] = fn.lower(*args).compile().as_text()
+    new_state, metrics = fn(*args)
+    if len(devices) == 8:
+      kernel = _leaf(new_state.params, 'blocks', 'mlp', 'layer1', 'kernel').get_value()
+      assert len({str(s.index) for s in kernel.addressable_shards}) == sizes['fsdp']
+    results[len(devices)] = jax.device_get((nnx.to_pure_dict(new_state.params), metrics))
+  (p1, m1), (p8, m8) = results[1], results[8]
+  chex.assert_trees_all_close(p8, p1, rtol=1e-5, atol=1e-6)
+  # pg_loss ~ mean(-A * ratio) ~ 1e-7 with zero-mean advantages: round-off of the sums' order (x10 in loss).
+  for k in ('loss', 'pg_loss', 'data_loss', 'grad_norm', 'reward_mean'):
+    np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5, atol=1e-5, err_msg=k)
+  assert 'all-to-all' in texts[8] and 'all-to-all' not in texts[1]     # Ulysses
+  assert 'all-gather' in texts[8] and 'reduce-scatter' in texts[8] or 'all-reduce' in texts[8]
