@@ -22,6 +22,7 @@ import flax.nnx as nnx
 import jax
 
 from ddrl_jax.models import cosmos_dit
+from ddrl_jax.models.cosmos_dit import forward_flops
 
 PUBLISHED = {'cosmos2b': 2.0e9, 'cosmos14b': 14.0e9}
 REFERENCE_ESTIMATE = {'cosmos2b': 2.059e9, 'cosmos14b': 14.37e9}
@@ -37,25 +38,6 @@ def param_count(cfg):
   proj = sum(math.prod(x.shape) for x in jax.tree.leaves(state['crossattn_proj'])) \
       if 'crossattn_proj' in state else 0
   return total, blocks, proj
-
-
-def forward_flops(cfg, latent=LATENT, text_tokens=TEXT_TOKENS):
-  d, nl, ctx = cfg.model_channels, cfg.num_blocks, cfg.context_dim
-  pt, ph, pw = cfg.patch
-  frames = latent[0] // pt
-  s = frames * (latent[1] // ph) * (latent[2] // pw)
-  lt = text_tokens
-  r = cfg.adaln_lora_dim
-  linear_tok = (4 * d * d + 2 * d * d + 2 * cfg.mlp_ratio * d * d) * s * nl          # MACs
-  cross_kv = 2 * lt * ctx * d * nl
-  self_attn = 2 * s * s * d * nl
-  cross_attn = 2 * s * lt * d * nl
-  adaln = frames * nl * 3 * (d * r + r * 3 * d) + frames * (d * d + d * 3 * d + d * r + r * 2 * d)
-  io = s * (cfg.patch_in_features * d + d * cfg.patch_out_features)
-  proj = lt * cfg.crossattn_in * ctx if cfg.crossattn_in else 0
-  parts = dict(linear=2 * linear_tok, self_attention=2 * self_attn,
-               cross_attention=2 * (cross_attn + cross_kv), other=2 * (adaln + io + proj))
-  return s, parts
 
 
 def main():

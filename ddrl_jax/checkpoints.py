@@ -15,7 +15,8 @@ INTEGRITY = 'ddrl_integrity.json'
 
 # Keys a resumed run may change: budgets, logging, the learning-rate schedule, reward-service plumbing,
 # data-loader parallelism, the mesh and its sharding rules (checkpoints restore onto any topology), where
-# the initial weights came from (read only when starting from step 0) and the pretraining section (not read by the RL run).
+# the initial weights came from (read only when starting from step 0) and the pretraining section (not
+# read by the RL run).
 SAFE_TO_CHANGE = (
     'num_iterations', 'log_every', 'checkpoint_every', 'max_checkpoints', 'eval_every',
     'eval_samples', 'max_nonfinite_steps', 'checkpoint_checksums', 'pretrain.',

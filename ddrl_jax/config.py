@@ -132,13 +132,13 @@ def _validate_sharding(config, sizes):
          f'known: {plan_lib.CONTEXT_IMPLS}')
   _check(0 <= s.max_replicated_fraction <= 1, 'sharding.max_replicated_fraction',
          s.max_replicated_fraction, 'must be in [0, 1]')
+  fsdp = rules_lib.resolve_rules({'x': 'fsdp'}, s.fsdp_axes)['x']
+  bad = [a for a in fsdp if a not in mesh_lib.AXES]
+  _check(not bad, 'sharding.fsdp_axes', s.fsdp_axes, f'unknown mesh axes {bad}; known: {mesh_lib.AXES}')
   try:
     rules_lib.resolve_rules(s.rules, s.fsdp_axes, mesh_lib.AXES)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  fsdp = rules_lib.resolve_rules({'x': 'fsdp'}, s.fsdp_axes)['x']
-  bad = [a for a in fsdp if a not in mesh_lib.AXES]
-  _check(not bad, 'sharding.fsdp_axes', s.fsdp_axes, f'unknown mesh axes {bad}; known: {mesh_lib.AXES}')
   cp, tp = sizes['context'], sizes['tensor']
   shape = _attention_shape(config)
   if cp == 1 or shape is None:

@@ -1,8 +1,9 @@
-"""Train state, the jitted DDRL/GRPO update, and the rollout -> reward -> update loop.
+"""The rollout -> reward -> update loop around the pure update of `ddrl_jax.update`.
 
-One iteration: B conditions -> N rollouts each (jitted, scan over T, vmap over N) -> decoded samples
-submitted to the reward service -> the diffusion-loss gradient, computed while the rewards are pending ->
-the policy gradient once they arrive, added to it in the jitted update -> AdamW -> power EMA.
+One iteration: B conditions -> N rollouts each (jitted, scan over T, one batched network call per step) ->
+decoded samples submitted to the reward service -> the diffusion-loss gradient, computed while the rewards
+are pending -> the policy gradient once they arrive, added to it in the jitted update -> AdamW -> power
+EMA. Shardings come from the run's `parallel.ShardingPlan` (config.mesh, config.sharding).
 
 Fault tolerance: SIGTERM/SIGINT stop after the current iteration with a checkpoint (ddrl_jax.preemption);
 a resume restores the newest checkpoint that passes its integrity record and whose config matches
@@ -15,12 +16,9 @@ import logging
 import os
 import shutil
 import time
-from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import tqdm
 
@@ -33,212 +31,15 @@ from ddrl_jax import parallel
 from ddrl_jax import preemption
 from ddrl_jax import rewards as rewards_lib
 from ddrl_jax import rl as rl_lib
-from ddrl_jax import sampling
 from ddrl_jax import tasks
 from ddrl_jax.data import pipeline as data_pipeline
 from ddrl_jax.data import records as data_records
 from ddrl_jax.parallel import rules as rules_lib
-
-
-class TrainState(NamedTuple):
-  step: Any            # () int32: optimizer steps taken
-  params: Any          # fp32 master parameters
-  opt_state: Any
-  ema_params: Any      # power EMA of params (None if disabled)
-  ref_params: Any      # frozen reference (flow_grpo with kl_beta > 0 only; None otherwise)
-
-
-class RolloutBatch(NamedTuple):
-  """Rollouts as the trainer shards them: one rollout per slot, B*N slots over (data, fsdp).
-
-  cosmos-rl runs one rollout per data-parallel instance (16 groups x 8 = 128 instances), so the slot
-  axis, not the group axis, is what must divide the mesh. Slot b*N + n is rollout n of group b.
-  """
-  traj: sampling.Trajectory   # (B*N, 1, ...)
-  rewards: Any                # (B*N, R) float32, one column per reward; NaN/Inf = failed sample
-  cond: Any                   # pytree of (B*N, ...): each group's condition repeated N times
-
-
-def flat_rollout_batch(traj, rewards, cond):
-  """A `RolloutBatch` from group-layout rollouts: traj (B, N, ...), rewards (B, N[, R]), cond (B, ...)."""
-  b, n = rewards.shape[:2]
-  flat = lambda a: a.reshape((b * n, 1) + a.shape[2:])
-  return RolloutBatch(traj=jax.tree.map(flat, traj), rewards=jnp.reshape(rewards, (b * n, -1)),
-                      cond=rl_lib.repeat_groups(cond, n))
-
-
-def group_rollout_batch(rollout, n):
-  """Inverse of `flat_rollout_batch`: (traj (B, N, ...), rewards (B, N, R), cond (B, ...))."""
-  group = lambda a: a.reshape((a.shape[0] // n, n) + a.shape[2:])
-  cond = jax.tree.map(lambda a: a.reshape((a.shape[0] // n, n) + a.shape[1:])[:, 0], rollout.cond)
-  rewards = None if rollout.rewards is None else rollout.rewards.reshape(
-      (-1, n) + rollout.rewards.shape[1:])
-  return jax.tree.map(group, rollout.traj), rewards, cond
-
-
-class DataBatch(NamedTuple):
-  """Clean data paired with the B group conditions (replicated: B need not divide the mesh)."""
-  x0: Any                     # (B, *S)
-  cond: Any                   # pytree of (B, ...)
-
-
-def compute_advantages(rewards, config):
-  """(B, N, R) rewards -> (B, N) advantages by config.rl's transform and config.reward's combination."""
-  b, n, _ = rewards.shape
-  rl = config.rl
-  if rl.adv_transform == 'exact':
-    single = lambda r: rl_lib.exact_tilt_advantages(r, n, rl.exact_beta, rl.exact_log_partition)
-  else:
-    single = lambda r: rl_lib.group_advantages(r, n, clip=rl.adv_clip, eps=rl.adv_eps,
-                                               transform=rl.adv_transform or None)
-  weights = list(config.reward.fns.values())
-  adv = rl_lib.multi_reward_advantages(rewards.reshape(b * n, -1), weights, single,
-                                       config.reward.combine)
-  return adv.reshape(b, n)
-
-
-def make_sampler(config):
-  s = config.sampler
-  return sampling.make_sampler(config_lib.sampler_kind(config), s.num_steps, sigma_min=s.sigma_min,
-                               sigma_max=s.sigma_max, rho=s.rho, s_churn=s.s_churn,
-                               s_noise=s.s_noise, shift=s.shift, noise_level=s.noise_level,
-                               eta=s.eta)
-
-
-def init_train_state(params, config, optimizer):
-  algo = rl_lib.get_algorithm(config.algorithm)
-  copy = lambda p: jax.tree.map(jnp.array, p)
-  return TrainState(
-      step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
-      ema_params=copy(params) if config.optim.ema_power_s else None,
-      ref_params=copy(params) if algo.uses_reference and config.rl.kl_beta > 0 else None)
-
-
-def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
-  """The update in two pure halves, so the data term can run while rewards are pending.
-
-    data_grads(params, rollout, data, key) -> (grads, metrics)      needs no rewards
-    update(state, rollout, data, grads, key) -> (state, metrics)     adds the policy gradient
-
-  `grads` is the float32 gradient of loss_scale * data_beta * the diffusion loss (None for algorithms
-  without a data term). Both halves draw the trained steps and the loss noise from `key` exactly as
-  `rl_loss` does, so update(state, .., data_grads(state.params, ..)[0], key) equals one fused step.
-  Gradients are accumulated one trained step at a time (`rl.rl_loss_and_grad`), so memory does not grow
-  with the number of trained steps. `cast_params` (e.g. the task's bf16 compute copy) is applied to the
-  parameters once, before the step scan; gradients are taken with respect to that copy.
-  """
-  cast_params = cast_params or (lambda p: p)
-  algo = rl_lib.get_algorithm(config.algorithm)
-  rl = config.rl
-  pool = config_lib.train_steps(config)
-  gamma = optim.power_ema_gamma(config.optim.ema_power_s) if config.optim.ema_power_s else None
-  lr_schedule = optim.learning_rate_schedule(config.optim)
-  use_data = algo.uses_data and rl.data_beta > 0
-
-  def prepare(rollout, key):
-    k_steps, k_loss = jax.random.split(key)
-    traj, rewards, cond = group_rollout_batch(rollout, config.num_rollouts)
-    b, n = traj.x0.shape[:2]
-    steps = algo.select_steps(k_steps, b, n, pool, rl.train_fraction)
-    return traj, rewards, cond, steps, k_loss
-
-  def data_term(data):
-    return rl_lib.DataTerm(x0=data.x0, cond=data.cond, beta=rl.data_beta, steps=rl.data_loss_steps,
-                           noise=rl.data_noise, cond_dropout=rl.cond_dropout,
-                           weighting=rl.data_weighting)
-
-  def data_grads(params, rollout, data, key):
-    if not use_data:
-      return None, {}
-    traj, _, _, steps, k_loss = prepare(rollout, key)
-    value, grads = rl_lib.data_loss_and_grad(apply_fn, cast_params(params), sampler, traj, steps,
-                                             data_term(data), k_loss)
-    scale = rl.loss_scale * rl.data_beta
-    return jax.tree.map(lambda g: scale * g, grads), {'data_loss': value}
-
-  def update(state, rollout, grads_data, key):
-    traj, rewards, cond, steps, k_loss = prepare(rollout, key)
-    advantages = compute_advantages(rewards, config)
-    ref = None if state.ref_params is None else cast_params(state.ref_params)
-    _, metrics, grads = algo.loss_and_grad(apply_fn, cast_params(state.params), ref, sampler, traj,
-                                           advantages, steps, rollout.cond, None, k_loss, rl)
-    if grads_data is not None:
-      grads = jax.tree.map(jnp.add, grads, grads_data)
-    grads, nonfinite = optim.zero_nonfinite(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    ema = state.ema_params
-    if ema is not None:
-      beta = optim.power_ema_beta(state.step, gamma)
-      ema = optim.ema_update(ema, params, beta)
-      metrics['ema_beta'] = beta
-    failed = ~jnp.isfinite(rewards).all(-1)   # any non-finite reward = failed sample (advantage 0)
-    valid = jnp.where(failed[..., None], 0.0, rewards)
-    num_valid = jnp.maximum((~failed).sum(), 1)
-    weights = jnp.asarray(list(config.reward.fns.values()), jnp.float32)
-    for i, name in enumerate(config.reward.fns):
-      metrics[f'reward/{name}'] = valid[..., i].sum() / num_valid
-    params_finite = jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)]))
-    metrics.update(
-        reward_mean=(valid @ weights).sum() / num_valid,
-        failed_rewards=failed.sum(), adv_mean=advantages.mean(), adv_abs_mean=jnp.abs(advantages).mean(),
-        grad_norm=optax.tree.norm(grads), nonfinite_grads=nonfinite, params_finite=params_finite,
-        learning_rate=lr_schedule(state.step), nfe_rollout=traj.nfe.mean())
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema,
-                           ref_params=state.ref_params)
-    return new_state, metrics
-
-  return data_grads, update
-
-
-def combine_metrics(metrics, data_metrics, config):
-  """Adds the data term's metrics to the update's; 'loss' becomes the total loss."""
-  metrics = dict(metrics)
-  if 'data_loss' in data_metrics:
-    metrics['data_loss'] = data_metrics['data_loss']
-    metrics['loss'] = metrics['loss'] + config.rl.loss_scale * config.rl.data_beta * \
-        data_metrics['data_loss']
-  return metrics
-
-
-def make_train_step(apply_fn, sampler, config, optimizer, cast_params=None):
-  """The fused pure update (state, rollout, data, key) -> (state, metrics); jit with `jit_train_step`."""
-  data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer, cast_params)
-
-  def train_step(state, rollout, data, key):
-    grads, data_metrics = data_grads(state.params, rollout, data, key)
-    state, metrics = update(state, rollout, grads, key)
-    return state, combine_metrics(metrics, data_metrics, config)
-
-  return train_step
-
-
-def jit_train_step(train_step, plan, state_shardings):
-  """jit of the fused step with the plan's shardings: state by the logical rules (donated), rollouts split
-  on B*N over (data, fsdp), the data batch as placed (`place_data`), metrics replicated."""
-  rep = plan.replicated()
-  return jax.jit(plan.scope(train_step), in_shardings=(state_shardings, plan.batch(), None, rep),
-                 out_shardings=(state_shardings, rep), donate_argnums=(0,))
-
-
-def make_sample_fn(sampler, apply_fn, sample_shape, mesh, param_shardings=None, plan=None,
-                   cast_params=None):
-  """jit of (params, cond (M, ...), key) -> (M, 1, *sample_shape) final samples, one per slot.
-
-  Parameters are replicated unless `param_shardings` (with its `plan`) is given."""
-  plan = plan or parallel.ShardingPlan.from_config({}, mesh)
-  cast_params = cast_params or (lambda p: p)
-  params_sh = param_shardings if param_shardings is not None else plan.replicated()
-  fn = lambda p, cond, k: sampler.sample(apply_fn, cast_params(p), cond, k, num_rollouts=1,
-                                         sample_shape=sample_shape)
-  return jax.jit(plan.scope(fn), in_shardings=(params_sh, plan.batch(), plan.replicated()),
-                 out_shardings=plan.batch())
-
-
-def place_data(plan, data):
-  """A DataBatch on the mesh: each leaf's leading B axis over as many batch axes as divide B."""
-  return jax.tree.map(lambda a: parallel.place(a, plan.sharding(('act_batch',), np.shape(a), 'data')),
-                      data)
+# The pure update lives in ddrl_jax/update.py; its names stay importable from here.
+from ddrl_jax.update import (  # pylint: disable=unused-import
+    TrainState, RolloutBatch, flat_rollout_batch, group_rollout_batch, DataBatch,
+    compute_advantages, make_sampler, init_train_state, make_update_fns, combine_metrics,
+    make_train_step, jit_train_step, make_sample_fn, StepFns, uses_data_grads, build_step_fns, place_data)
 
 
 def _event_logger(path):
@@ -273,6 +74,9 @@ class Trainer:
     config_lib.validate(config, len(devices))
     self.config = config
     self.workdir = os.path.abspath(workdir)
+    if not jax.config.jax_threefry_partitionable:
+      raise ValueError('jax_threefry_partitionable is off: sharded random draws would differ from '
+                       'unsharded ones (and between meshes); leave it at its default (True)')
     self.mesh = parallel.make_mesh(config.mesh, devices)
     self.plan = parallel.ShardingPlan.from_config(config, self.mesh)
     self.state_shardings = None    # set by restore_or_init
@@ -367,10 +171,10 @@ class Trainer:
     self.state_shardings = self.plan.state(abstract_state, self.optimizer)
     report = self.plan.check_params(abstract_state.params, self.state_shardings.params)
     opt = rules_lib.sharding_report(abstract_state.opt_state, self.state_shardings.opt_state)
-    logging.info('mesh %s: parameters %.3f GiB per device of %.3f GiB (%.2f%% replicated), optimizer '
-                 'state %.3f GiB per device', dict(self.mesh.shape), report['per_device_bytes'] / 2**30,
-                 report['total_bytes'] / 2**30, 100 * report['replicated_fraction'],
-                 opt['per_device_bytes'] / 2**30)
+    logging.warning('sharding: mesh %s; parameters %.3f GiB per device of %.3f GiB (%.2f%% replicated), '
+                    'optimizer state %.3f GiB per device', dict(self.mesh.shape),
+                    report['per_device_bytes'] / 2**30, report['total_bytes'] / 2**30,
+                    100 * report['replicated_fraction'], opt['per_device_bytes'] / 2**30)
     self.sharding_report = dict(params=report, opt_state=opt)
     self.cast_params = getattr(self.task, 'cast_params', None)
 
@@ -457,32 +261,14 @@ class Trainer:
 
   # --------------------------------------------------------------------------------------- loop
   def _build(self):
-    c = self.config
-    plan, sh = self.plan, self.state_shardings
-    batch, rep = plan.batch(), plan.replicated()
-    sampler, apply_fn, shape = self.sampler, self.apply_fn, self.task.sample_shape
-    cast = self.cast_params or (lambda p: p)
-    # Rollouts take slot conditions (B*N, ...) and make one rollout per slot.
-    rollout = lambda p, cond, k: sampler.rollout(apply_fn, cast(p), cond, k, num_rollouts=1,
-                                                 sample_shape=shape)
-    self._rollout = jax.jit(plan.scope(rollout), in_shardings=(sh.params, batch, rep),
-                            out_shardings=batch)
-    self._sample = make_sample_fn(sampler, apply_fn, shape, self.mesh, sh.params, plan, cast)
-    data_grads, update = make_update_fns(apply_fn, sampler, c, self.optimizer, cast)
-    grads_sh = sh.params if self._uses_data_grads() else None
-    self._data_grads = jax.jit(plan.scope(data_grads), in_shardings=(sh.params, batch, None, rep),
-                               out_shardings=(grads_sh, rep))
-    # The update replaces the state and consumes the data gradient: both are donated.
-    self._update = jax.jit(plan.scope(update), in_shardings=(sh, batch, grads_sh, rep),
-                           out_shardings=(sh, rep), donate_argnums=(0, 2))
+    fns = build_step_fns(self.config, self.plan, self.state_shardings, self.apply_fn, self.sampler,
+                         self.task.sample_shape, self.optimizer, self.cast_params)
+    self._rollout, self._sample = fns.rollout, fns.sample
+    self._data_grads, self._update = fns.data_grads, fns.update
     if self.rewards is None:
-      self.rewards = rewards_lib.make_reward_service(c.reward)
+      self.rewards = rewards_lib.make_reward_service(self.config.reward)
       if hasattr(self.rewards, 'check'):
         self.rewards.check()
-
-  def _uses_data_grads(self):
-    algo = rl_lib.get_algorithm(self.config.algorithm)
-    return algo.uses_data and self.config.rl.data_beta > 0
 
   def event(self, name, **info):
     """Records a named point of the current iteration (and calls the hooks, e.g. a test's)."""

@@ -85,13 +85,36 @@ VALIDATE = [
      "the exact tilt transform needs one reward or combine='weighted_sum'"),
     ('ddrl', {'mesh.fsdp': 3}, 'config.mesh'),
     ('ddrl', {'batch_size': 3}, 'not divisible by the data-parallel mesh size data*fsdp = 8'),
+    ('ddrl', {'sharding.context_impl': 'usp'}, "config.sharding.context_impl='usp': known:"),
+    ('ddrl', {'sharding.max_replicated_fraction': 1.5}, 'config.sharding.max_replicated_fraction=1.5'),
+    ('ddrl', {'sharding.fsdp_axes': 'fsdp,pod'}, "config.sharding.fsdp_axes='fsdp,pod': unknown mesh axes"),
+    ('ddrl', {'sharding.rules.embed': 'model'}, "config.sharding.rules.embed='model': unknown mesh axes"),
+    # The Cosmos smoke config (tiny DiT: 2 heads, 2 latent frames) on 8 devices.
+    ('cosmos:smoke', {'mesh.data': -1, 'mesh.context': 4}, 'config.cosmos.latent_shape=(2, 4, 4): 2 latent '
+     'frames do not divide over mesh.context = 4'),
+    ('cosmos:smoke', {'mesh.data': -1, 'mesh.context': 4, 'cosmos.latent_shape': (4, 4, 4)},
+     'config.mesh.context=4: Ulysses attention splits the 2 heads over context x tensor = 4 devices'),
 ]
+
+
+def _config(preset, overrides):
+  if preset != 'cosmos:smoke':
+    return small_config(preset, **overrides)
+  from configs import cosmos2b  # pylint: disable=g-import-not-at-top
+  c = cosmos2b.get_config('smoke')
+  for k, v in overrides.items():
+    node = c
+    *path, last = k.split('.')
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return c
 
 
 @pytest.mark.parametrize('preset,overrides,words', VALIDATE,
                          ids=[f'{p}:{",".join(o)}={list(o.values())[0]!r}' for p, o, _ in VALIDATE])
 def test_validate_rejects(preset, overrides, words):
-  c = small_config(preset, **overrides)
+  c = _config(preset, overrides)
   with pytest.raises(config_lib.ConfigError) as err:
     config_lib.validate(c, num_devices=8)
   assert words in str(err.value)

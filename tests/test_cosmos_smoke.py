@@ -2,11 +2,15 @@
 import json
 import math
 import os
+import shutil
+
+import chex
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import cosmos14b
 from configs import cosmos2b
@@ -25,23 +29,50 @@ def smoke_task():
 
 
 # ------------------------------------------------------------------------------------------ smoke run
-def test_smoke_trains_t2v_and_i2v(tmp_path):
+def _params(trainer):
+  return jax.device_get(nnx.to_pure_dict(trainer.state.params))
+
+
+def test_smoke_trains_t2v_and_i2v_and_resumes_on_other_meshes(tmp_path):
+  """FSDP 4 x data 2 (the tiny DiT's parameters over 4 devices) for 3 iterations; its step-1 checkpoint
+  resumes on 1 device to step 2, and that checkpoint back on the FSDP mesh to step 3: equal to the
+  uninterrupted run."""
   config = cosmos2b.get_config('smoke')
   assert config.task == 'video' and config.num_iterations == 2
-  trainer = trainer_lib.Trainer(config, tmp_path)
+  config.mesh.update(dict(data=2, fsdp=4))
+  config.num_iterations, config.checkpoint_every = 3, 1
+  run = tmp_path / 'run'
+  trainer = trainer_lib.Trainer(config, run)
   last = trainer.train(progress=False)
   assert last, 'no training step ran'
+  kernel = trainer.state.params['blocks']['mlp']['layer1']['kernel'].get_value()
+  assert len({str(s.index) for s in kernel.addressable_shards}) == 4      # sharded over fsdp
+  assert trainer.sharding_report['params']['per_device_bytes'] < \
+      0.3 * trainer.sharding_report['params']['total_bytes']
 
-  lines = [json.loads(l) for l in open(os.path.join(tmp_path, 'metrics.jsonl'))]
+  moved = tmp_path / 'moved'
+  shutil.copytree(run / 'checkpoints', moved / 'checkpoints')
+  for step in (2, 3):
+    shutil.rmtree(moved / 'checkpoints' / str(step))
+  one = cosmos2b.get_config('smoke')
+  one.num_iterations, one.checkpoint_every = 2, 1
+  one.mesh.data = 1
+  single = trainer_lib.Trainer(one, moved, devices=jax.devices()[:1])
+  single.train(progress=False)
+  back = trainer_lib.Trainer(config, moved)
+  back.train(progress=False)
+  assert back.ckpt.latest_step() == 3
+  chex.assert_trees_all_close(_params(back), _params(trainer), rtol=1e-4, atol=1e-6)
+
+  lines = [json.loads(l) for l in open(os.path.join(run, 'metrics.jsonl'))]
   train = [l for l in lines if 'loss' in l]
-  assert [l['step'] for l in train] == [1, 2]
+  assert [l['step'] for l in train] == [1, 2, 3]
   for l in train:
     for k in ('loss', 'data_loss', 'reward_mean', 'pg_loss'):
       assert math.isfinite(l[k]), (k, l)
     assert l['failed_rewards'] == 0
     assert -1.0 <= l['reward_mean'] <= 0.0       # temporal smoothness of a uint8 video
-  assert trainer.ckpt.latest_step() == 2
-  assert os.path.isdir(os.path.join(tmp_path, 'checkpoints', '2'))
+  assert trainer.ckpt.latest_step() == 3
 
   # Both modes occurred among the 2 x 8 training groups, and every I2V rollout ended on the GT frame.
   modes = np.concatenate(trainer.task.cond_log[:2])

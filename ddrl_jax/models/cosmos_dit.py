@@ -504,3 +504,27 @@ def compute_cast_fn(model):
 
   return apply
 
+
+def forward_flops(cfg, latent=(24, 90, 160), text_tokens=512):
+  """Analytic FLOPs (2 x multiply-accumulates) of one forward of one sample: (tokens S, {part: FLOPs}).
+
+  latent: (T, H, W) latent (default: 93 frames at 720p); per block and token q/k/v/o, cross q/o and the
+  MLP; per block and sample self-attention 4 S^2 D, cross-attention and its k/v over the text tokens;
+  plus patch embedding, final layer, adaLN-LoRA and crossattn_proj (benchmarks/cosmos_size.py).
+  """
+  d, nl, ctx = cfg.model_channels, cfg.num_blocks, cfg.context_dim
+  pt, ph, pw = cfg.patch
+  frames = latent[0] // pt
+  s = frames * (latent[1] // ph) * (latent[2] // pw)
+  lt = text_tokens
+  r = cfg.adaln_lora_dim
+  linear_tok = (4 * d * d + 2 * d * d + 2 * cfg.mlp_ratio * d * d) * s * nl          # MACs
+  cross_kv = 2 * lt * ctx * d * nl
+  self_attn = 2 * s * s * d * nl
+  cross_attn = 2 * s * lt * d * nl
+  adaln = frames * nl * 3 * (d * r + r * 3 * d) + frames * (d * d + d * 3 * d + d * r + r * 2 * d)
+  io = s * (cfg.patch_in_features * d + d * cfg.patch_out_features)
+  proj = lt * cfg.crossattn_in * ctx if cfg.crossattn_in else 0
+  parts = dict(linear=2 * linear_tok, self_attention=2 * self_attn,
+               cross_attention=2 * (cross_attn + cross_kv), other=2 * (adaln + io + proj))
+  return s, parts

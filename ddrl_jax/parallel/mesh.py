@@ -4,10 +4,12 @@ Batches split their leading slot axis over (data, fsdp); parameters follow the l
 `rules.py` (FSDP over fsdp, replicated over data); the sequence of a video splits over context
 (`plan.py`, `context.py`).
 """
+import logging
 import math
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -41,11 +43,19 @@ def mesh_shape(mesh_config, num_devices):
 
 
 def make_mesh(mesh_config, devices=None):
-  """A 4-axis Mesh with Auto axis types (sharding by jit in/out shardings and logical rules)."""
+  """A 4-axis Mesh with Auto axis types (sharding by jit in/out shardings and logical rules).
+
+  Accelerator devices are arranged by `mesh_utils.create_device_mesh` (the physical torus / NVLink
+  order, so the innermost axes, context and tensor, get the nearest chips); CPU devices in order."""
   devices = jax.devices() if devices is None else list(devices)
   shape = mesh_shape(mesh_config, len(devices))
-  return jax.sharding.Mesh(np.asarray(devices).reshape(shape), AXES,
-                           axis_types=(AxisType.Auto,) * len(AXES))
+  grid = np.asarray(devices).reshape(shape)
+  if devices[0].platform != 'cpu':
+    try:
+      grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError) as e:
+      logging.warning('mesh %s: no physical device order (%s); using the device list order', shape, e)
+  return jax.sharding.Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def data_parallel_size(mesh):

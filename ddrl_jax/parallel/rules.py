@@ -81,11 +81,14 @@ _logged_drops = set()
 
 
 def _log_drop(what, dim, axes, kept):
+  """Logs once per case: at WARNING for parameters, INFO for activations and data (whose batch of
+  B groups or of one example inside vmap routinely does not divide)."""
   key = (what, dim, axes, kept)
   if key not in _logged_drops:
     _logged_drops.add(key)
-    logging.info('sharding: %s dimension of size %d does not divide over %s; using %s', what, dim,
-                 axes, kept or 'no axis (replicated)')
+    level = logging.INFO if what.startswith(('activation', 'data')) else logging.WARNING
+    logging.log(level, 'sharding: %s dimension of size %d does not divide over %s; using %s', what, dim,
+                axes, kept or 'no axis (replicated)')
 
 
 def mesh_spec(logical, shape, rules, axis_sizes, what='array'):

@@ -302,6 +302,14 @@ class CosmosVideo:
     return dict(text=jnp.asarray(text), first_frame=jnp.asarray(first),
                 num_cond=jnp.asarray(num_cond), index=jnp.asarray(index))
 
+  def abstract_conditions(self, batch):
+    """ShapeDtypeStructs of `conditions(key, batch)` (for ahead-of-time compiles; nothing is encoded)."""
+    c, _, h, w = self.sample_shape
+    f32, i32 = jnp.float32, jnp.int32
+    return dict(text=jax.ShapeDtypeStruct((batch, self.c.text_length, self.text_dim), f32),
+                first_frame=jax.ShapeDtypeStruct((batch, c, 1, h, w), f32),
+                num_cond=jax.ShapeDtypeStruct((batch,), i32), index=jax.ShapeDtypeStruct((batch,), i32))
+
   def data(self, key, cond):
     """(B, 16, T, H, W) clean latents of each condition's paired video."""
     del key

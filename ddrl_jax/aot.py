@@ -1,0 +1,230 @@
+"""CLI: ahead-of-time compile of one DDRL iteration for a TPU slice, from any host (MaxText's train_compile).
+
+    python -m ddrl_jax.aot --config=configs/cosmos2b.py --topology=v5p-512 [--out=FILE]
+    python -m ddrl_jax.aot --config=configs/cosmos14b.py --topology=v5p-2048
+    python -m ddrl_jax.aot --config=configs/cosmos2b.py:smoke --topology=cpu-8       (the CI path)
+
+Builds the run's mesh from the slice's compile-only devices (libtpu, `pip install -e '.[aot]'`; 'cpu-N' uses
+N local CPU devices), the train state's shardings from config.sharding, and lowers and compiles the
+trainer's own jitted `rollout`, `data_grads` and `update` (trainer.build_step_fns) on abstract inputs at the
+config's shapes: nothing is allocated and no weights are needed. For each function it prints one JSON line:
+
+  fn, topology, mesh, per_chip_bytes = argument + output - alias + temp (memory_analysis), the four parts,
+  resident_bytes (what the trainer holds on each chip while the function runs: the whole train state,
+  rollouts, data, gradient; XLA's arguments leave out inputs a function does not read), peak_bytes =
+  max(per_chip_bytes, resident + output - alias + temp), hbm_bytes, fits and spare_fraction (by
+  peak_bytes), flops (cost_analysis: XLA counts a scan body once, so this is far below the real count),
+  analytic_flops (cosmos_dit.forward_flops x the function's network passes, per chip), compile_s.
+
+Exits 1 when a function's peak does not fit the chip's HBM (or `--margin` of it). The compile options of
+LIBTPU_INIT_ARGS apply as in a real run (set the variable before starting).
+"""
+import json
+import math
+import sys
+import time
+
+import jax
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from ddrl_jax import cli
+from ddrl_jax import config as config_lib
+from ddrl_jax import optim
+from ddrl_jax import parallel
+from ddrl_jax import tasks
+from ddrl_jax import trainer as trainer_lib
+from ddrl_jax.models import attention as attention_lib
+from ddrl_jax.models import cosmos_dit
+from ddrl_jax.rl import algorithms
+from ddrl_jax.parallel import topology as topology_lib
+
+FUNCTIONS = ('rollout', 'data_grads', 'update')
+
+
+def _define_flags():
+  global _CONFIG, _TOPOLOGY, _NUM_SLICES, _OUT, _FNS, _MARGIN
+  _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (get_config(arg)).',
+                                            lock_config=True)
+  _TOPOLOGY = flags.DEFINE_string('topology', None, "A TPU slice (e.g. v5p-512) or 'cpu-N'.")
+  _NUM_SLICES = flags.DEFINE_integer('num_slices', 1, 'Slices (multislice over DCN).')
+  _OUT = flags.DEFINE_string('out', '', 'Also append the JSON lines to this file.')
+  _FNS = flags.DEFINE_list('fns', list(FUNCTIONS), f'Functions to compile, of {FUNCTIONS}.')
+  _MARGIN = flags.DEFINE_float('margin', 0.0, 'Fail unless this fraction of HBM stays free.')
+  flags.mark_flags_as_required(['config', 'topology'])
+
+
+def _with_sharding(abstract, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                      shardings)
+
+
+def abstract_inputs(config, plan, task, fns, state_shardings, abstract_state):
+  """Abstract (ShapeDtypeStruct, sharded) arguments of each function at the config's shapes."""
+  slots = config.batch_size * config.num_rollouts
+  batch = plan.batch()
+  rep = plan.replicated()
+  key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=rep)
+  slot_cond = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=batch),
+                           task.abstract_conditions(slots))
+  params = _with_sharding(abstract_state.params, state_shardings.params)
+  state = _with_sharding(abstract_state, state_shardings)
+  traj = jax.eval_shape(fns.rollout, params, slot_cond, key)
+  num_rewards = len(config.reward.fns)
+  rollout = trainer_lib.RolloutBatch(
+      traj=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=batch), traj),
+      rewards=jax.ShapeDtypeStruct((slots, num_rewards), jax.numpy.float32, sharding=batch),
+      cond=slot_cond)
+  group_cond = task.abstract_conditions(config.batch_size)
+  data = trainer_lib.DataBatch(
+      x0=jax.ShapeDtypeStruct((config.batch_size,) + tuple(task.sample_shape), jax.numpy.float32),
+      cond=group_cond)
+  data = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+      a.shape, a.dtype, sharding=plan.sharding(('act_batch',), a.shape, 'data')), data)
+  grads = jax.eval_shape(fns.data_grads, params, rollout, data, key)[0]
+  if grads is not None:
+    grads = _with_sharding(grads, state_shardings.params)
+  return dict(rollout=(params, slot_cond, key), data_grads=(params, rollout, data, key),
+              update=(state, rollout, grads, key))
+
+
+def per_device_bytes(tree):
+  """Bytes one device holds of an abstract tree of sharded ShapeDtypeStructs (largest shard)."""
+  total = 0
+  for a in jax.tree.leaves(tree):
+    shape = a.sharding.shard_shape(a.shape) if getattr(a, 'sharding', None) is not None else a.shape
+    total += math.prod(shape) * a.dtype.itemsize
+  return total
+
+
+def resident_inputs(name, args):
+  """What the trainer holds on device while `name` runs (its arguments, and for the rollout the state
+  besides the parameters): rollout -> state + slot conditions; data_grads -> state + rollout + data;
+  update -> state + rollout + data + data gradient."""
+  if name == 'rollout':
+    return (args['update'][0], args['rollout'][1])
+  if name == 'data_grads':
+    return (args['update'][0],) + args['data_grads'][1:3]
+  return args['update'][:3] + (args['data_grads'][2],)
+
+
+def network_passes(config, fn, remat):
+  """Forward-equivalents of the network per rollout slot: the rollout's T calls (+1: cosmos' final clean
+  call); per trained step a gradient costs 3 (forward + backward), 4 with full remat; the data term too."""
+  if fn == 'rollout':
+    return config.sampler.num_steps + (1 if config_lib.sampler_kind(config) == 'cosmos_2ab' else 0)
+  pool = config_lib.train_steps(config)
+  random = algorithms.get_algorithm(config.algorithm).step_selection == 'random'
+  k = max(1, int(len(pool) * config.rl.train_fraction)) if random else len(pool)
+  grad = 3 + (1 if remat == 'full' else 0)
+  if fn == 'data_grads':
+    return grad * k if config.rl.data_loss_steps == 'full' else grad
+  return grad * k
+
+
+def analytic_forward_flops(task):
+  """benchmarks/cosmos_size.py's FLOPs of one network forward of one sample (None if not a Cosmos DiT)."""
+  dit = getattr(task, 'dit', None)
+  if dit is None:
+    return None
+  _, parts = cosmos_dit.forward_flops(dit, latent=tuple(task.sample_shape[1:]),
+                                      text_tokens=task.c.text_length)
+  return float(sum(parts.values()))
+
+
+def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_options=None):
+  """Compiles `fns` for `topology`; yields one dict per function (see the module docstring)."""
+  devices = topology_lib.topology_devices(topology, num_slices)
+  platform = devices[0].platform
+  attention = config.get('cosmos', {}).get('attention')
+  if attention is not None and attention.kernel in ('', 'auto'):
+    # The kernel a run on the target would pick (this host's backend would pick 'xla').
+    attention.kernel = attention_lib.default_kernel(platform)
+  config_lib.validate(config, len(devices))
+  mesh = parallel.make_mesh(config.mesh, devices)
+  plan = parallel.ShardingPlan.from_config(config, mesh)
+  task = tasks.get_task(config)
+  optimizer = optim.make_optimizer(config.optim)
+  apply_fn, abstract_params = task.abstract_params(jax.random.key(0))
+  abstract_state = jax.eval_shape(
+      lambda p: trainer_lib.init_train_state(p, config, optimizer), abstract_params)
+  state_sh = plan.state(abstract_state, optimizer)
+  params_report = plan.check_params(abstract_state.params, state_sh.params)
+  step_fns = trainer_lib.build_step_fns(config, plan, state_sh, apply_fn, trainer_lib.make_sampler(config),
+                                        task.sample_shape, optimizer, getattr(task, 'cast_params', None))
+  args = abstract_inputs(config, plan, task, step_fns, state_sh, abstract_state)
+  hbm = topology_lib.hbm_bytes(topology)
+  fwd = analytic_forward_flops(task)
+  slots = config.batch_size * config.num_rollouts
+  remat = config.get('cosmos', {}).get('remat_policy', 'none')
+  for name in fns:
+    t0 = time.perf_counter()
+    lowered = getattr(step_fns, name).lower(*args[name])
+    try:
+      compiled = lowered.compile(compiler_options or None)
+    except jax.errors.JaxRuntimeError as e:
+      if 'RESOURCE_EXHAUSTED' not in str(e):
+        raise
+      # The compiler's out-of-memory verdict for the target (MaxText's is_oom): a result, not a crash.
+      yield dict(fn=name, topology=topology, num_slices=num_slices, mesh=dict(mesh.shape), hbm_bytes=hbm,
+                 fits=False, error=str(e).splitlines()[0][:500],
+                 compile_s=round(time.perf_counter() - t0, 2))
+      continue
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    per_chip = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                + mem.temp_size_in_bytes)
+    # XLA's arguments omit inputs the function does not read (e.g. trajectory fields); the trainer still
+    # holds them, and the rest of the train state, while it runs. `resident` counts them unpadded, XLA's
+    # argument bytes count the TPU's tile padding: the peak takes the larger of the two totals.
+    resident = per_device_bytes(resident_inputs(name, args))
+    peak = max(per_chip, resident + mem.output_size_in_bytes - mem.alias_size_in_bytes
+               + mem.temp_size_in_bytes)
+    row = dict(fn=name, topology=topology, num_slices=num_slices, mesh=dict(mesh.shape),
+               attention=attention.kernel if attention is not None else None,
+               context_impl=plan.context_impl,
+               per_chip_bytes=int(per_chip), resident_bytes=int(resident), peak_bytes=int(peak),
+               argument_bytes=int(mem.argument_size_in_bytes),
+               output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
+               temp_bytes=int(mem.temp_size_in_bytes),
+               generated_code_bytes=int(mem.generated_code_size_in_bytes), hbm_bytes=hbm,
+               flops=float(cost.get('flops', -1.0)) if cost else None,
+               analytic_flops=(fwd * slots * network_passes(config, name, remat) / len(devices)
+                               if fwd else None),
+               param_bytes_per_chip=int(params_report['per_device_bytes']),
+               replicated_param_fraction=params_report['replicated_fraction'],
+               compile_s=round(compile_s, 2))
+    if hbm:
+      row.update(fits=peak <= hbm, spare_fraction=round(1 - peak / hbm, 4))
+    yield row
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments {argv[1:]} (flags are --name=value)')
+  bad = [f for f in _FNS.value if f not in FUNCTIONS]
+  if bad:
+    raise app.UsageError(f'--fns: unknown {bad}; known: {FUNCTIONS}')
+  failed = []
+  out = open(_OUT.value, 'a') if _OUT.value else None
+  for row in compile_report(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _FNS.value):
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+      out.write(line + '\n')
+      out.flush()
+    hbm = row['hbm_bytes']
+    if hbm and (not row['fits'] or row['peak_bytes'] > (1 - _MARGIN.value) * hbm):
+      failed.append(row['fn'])
+  if failed:
+    print(f'does not fit {_TOPOLOGY.value} (HBM {row["hbm_bytes"] / 2**30:.1f} GiB per chip, margin '
+          f'{_MARGIN.value}): {failed}', file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main, flags_parser=cli.parse_flags)
