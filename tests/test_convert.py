@@ -268,7 +268,21 @@ def test_converted_checkpoint_starts_the_video_task(cosmos_torch, tmp_path):
   _, params = video.CosmosVideo(config).init_model(jax.random.key(0))
   want = cv.load_converted(tmp_path / 'out')
   chex.assert_trees_all_close(nnx.to_pure_dict(nnx.filter_state(params, nnx.Param)), nnx.to_pure_dict(want))
+  # The trainer's path: from host memory onto an FSDP mesh, each device receiving only its slices.
+  from ddrl_jax import parallel  # pylint: disable=g-import-not-at-top
+  config.mesh.update(dict(data=2, fsdp=4))
+  task = video.CosmosVideo(config)
+  _, abstract = task.abstract_params(jax.random.key(0))
+  plan = parallel.ShardingPlan.from_config(config, parallel.make_mesh(config.mesh, jax.devices()))
+  sharded = task.init_params_sharded(jax.random.key(0), plan.params(abstract))
+  kernel = sharded['blocks']['mlp']['layer1']['kernel'].get_value()
+  assert len({str(s.index) for s in kernel.addressable_shards}) == 4
+  chex.assert_trees_all_close(jax.device_get(nnx.to_pure_dict(sharded)), nnx.to_pure_dict(want))
   # A checkpoint of another size is refused with the key named.
   config.cosmos.dit_overrides = {'num_blocks': 3}
   with pytest.raises(ValueError, match='config.cosmos.checkpoint'):
     video.CosmosVideo(config).init_model(jax.random.key(0))
+  task = video.CosmosVideo(config)
+  _, abstract = task.abstract_params(jax.random.key(0))
+  with pytest.raises(ValueError, match='config.cosmos.checkpoint'):
+    task.init_params_sharded(jax.random.key(0), plan.params(abstract))

@@ -95,6 +95,8 @@ def place_converted(abstract, shardings, ckpt_dir, key):
   Raises ValueError naming the config key when the shapes differ from the configured model's."""
   from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
   loaded = convert.load_converted(ckpt_dir)
+  if isinstance(loaded, nnx.State):
+    loaded = nnx.to_pure_dict(loaded)
   shapes = lambda st: jax.tree.map(lambda a: tuple(a.shape), st)
   want, got = shapes(nnx.to_pure_dict(abstract)), shapes(loaded)
   if want != got:
