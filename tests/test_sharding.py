@@ -133,6 +133,33 @@ def test_sharded_init_equals_single_device_init():
   chex.assert_trees_all_equal(results[1], results[8])
 
 
+def test_compute_cast_makes_bf16_matmul_weights_and_keeps_results():
+  """The bf16 compute copy: matmul kernels of the bf16 layers cast, fp32 islands kept, and the forward
+  and gradient equal to those of the fp32 masters (nnx.Linear casts them at use anyway)."""
+  config = cosmos2b.get_config('smoke')
+  config.cosmos.dtype = 'bfloat16'
+  task = video.CosmosVideo(config)
+  apply_fn, abstract = task.abstract_params(jax.random.key(0))
+  params = task.init_params_sharded(jax.random.key(0), jax.tree.map(
+      lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract))
+  cast = task.cast_params(params)
+  dtype = lambda tree, *k: _leaf(tree, *k).get_value().dtype
+  assert dtype(cast, 'blocks', 'mlp', 'layer1', 'kernel') == jnp.bfloat16
+  assert dtype(cast, 'crossattn_proj', 'bias') == jnp.bfloat16
+  for fp32 in (('blocks', 'adaln_modulation_mlp', 'linear_1', 'kernel'), ('final_layer', 'linear', 'kernel'),
+               ('t_embedder', 'linear_1', 'kernel'), ('blocks', 'self_attn', 'q_norm', 'scale')):
+    assert dtype(cast, *fp32) == jnp.float32, fp32
+  rng = np.random.RandomState(0)
+  c, t, h, w = task.sample_shape
+  x = jnp.asarray(rng.randn(2, c, t, h, w), jnp.float32)
+  cond = dict(text=jnp.asarray(rng.randn(2, config.cosmos.text_length, task.text_dim), jnp.float32))
+  loss = jax.jit(lambda p, f: jnp.mean(apply_fn(f(p), x, jnp.full((2,), 0.5), cond) ** 2), static_argnums=1)
+  grad = jax.jit(jax.grad(lambda p, f: jnp.mean(apply_fn(f(p), x, jnp.full((2,), 0.5), cond) ** 2)),
+                 static_argnums=1)
+  np.testing.assert_allclose(loss(params, task.cast_params), loss(params, lambda p: p), rtol=1e-6)
+  chex.assert_trees_all_close(grad(params, task.cast_params), grad(params, lambda p: p), rtol=1e-5, atol=1e-7)
+
+
 # ------------------------------------------------------------------------- gradients per trained step
 def _tiny_dit_batch(config, b=4, n=2, seed=0):
   """apply_fn, params, sampler, group rollouts (traj (B, N), cond (B, ...)), data x0 of the video task."""

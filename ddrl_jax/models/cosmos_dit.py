@@ -486,23 +486,20 @@ def compute_cast_fn(model):
   Cast once at the top of a jitted step, the FSDP all-gathers inside the layer scan then move bf16 (half
   the bytes), and the gradient with respect to the cast copy equals the gradient through the per-use cast
   that nnx.Linear does itself. `model` may be abstract (nnx.eval_shape)."""
-  cast = {}
+  cast = {}        # parameter path -> compute dtype
   for path, node in nnx.iter_graph(model):
     if isinstance(node, nnx.Linear) and node.dtype is not None and \
         jnp.dtype(node.dtype) != jnp.dtype(node.param_dtype):
-      cast[tuple(path)] = node.dtype
+      cast.update({(*path, name): node.dtype for name in ('kernel', 'bias')})
   if not cast:
     return lambda params: params
 
-  def apply(params):
-    def leaf(path, a):
-      keys = tuple(getattr(k, 'key', getattr(k, 'name', k)) for k in path)
-      dtype = cast.get(keys[:-2]) if keys[-1] == 'value' else cast.get(keys[:-1])
-      return a.astype(dtype) if dtype is not None and keys[-2 if keys[-1] == 'value' else -1] in (
-          'kernel', 'bias') else a
-    return jax.tree_util.tree_map_with_path(leaf, params)
+  def leaf(path, a):
+    keys = tuple(getattr(k, 'key', getattr(k, 'name', k)) for k in path)
+    keys = keys[:-1] if keys[-1:] == ('value',) else keys      # a Variable's value inside an nnx.State
+    return a.astype(cast[keys]) if keys in cast else a
 
-  return apply
+  return lambda params: jax.tree_util.tree_map_with_path(leaf, params)
 
 
 def forward_flops(cfg, latent=(24, 90, 160), text_tokens=512):
