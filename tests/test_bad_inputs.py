@@ -20,7 +20,8 @@ from test_reward_service import IMAGES  # tests/test_reward_service.py (fixtures
 from test_reward_service import client
 from test_reward_service import redis_url  # pylint: disable=unused-import
 from test_reward_service import servers  # pylint: disable=unused-import
-from test_trainer import small_config  # tests/test_trainer.py
+from test_trainer import apply_overrides  # tests/test_trainer.py
+from test_trainer import small_config
 
 from ddrl_jax import checkpoints as checkpoints_lib
 from ddrl_jax import config as config_lib
@@ -101,14 +102,7 @@ def _config(preset, overrides):
   if preset != 'cosmos:smoke':
     return small_config(preset, **overrides)
   from configs import cosmos2b  # pylint: disable=g-import-not-at-top
-  c = cosmos2b.get_config('smoke')
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split('.')
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  return apply_overrides(cosmos2b.get_config('smoke'), overrides)
 
 
 @pytest.mark.parametrize('preset,overrides,words', VALIDATE,

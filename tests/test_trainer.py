@@ -26,13 +26,18 @@ def small_config(preset='ddrl', **overrides):
   c.batch_size, c.num_rollouts = 8, 4
   c.num_iterations, c.eval_every, c.eval_samples = 4, 0, 64
   c.checkpoint_every = 2
+  return apply_overrides(c, overrides)
+
+
+def apply_overrides(config, overrides):
+  """Sets {'a.b.c': value} entries of a ConfigDict in place; returns it."""
   for k, v in overrides.items():
-    node = c
+    node = config
     *path, last = k.split('.')
     for p in path:
       node = node[p]
     node[last] = v
-  return c
+  return config
 
 
 # ------------------------------------------------------------------------------------------ config

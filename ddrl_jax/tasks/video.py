@@ -89,40 +89,34 @@ def vae_config(c):
   return presets[c.vae](**kw)
 
 
-def place_converted(abstract, shardings, ckpt_dir, key):
-  """Converted parameters (host numpy) placed on the shardings of the abstract nnx.State `abstract`.
-
-  Raises ValueError naming the config key when the shapes differ from the configured model's."""
+def _load_converted(ckpt_dir, want, key):
+  """`python -m ddrl_jax.models.convert` output as a host pure dict, cast to the dtypes of `want` (the
+  configured model's pure dict of arrays or ShapeDtypeStructs). Raises ValueError naming the config key
+  when the shapes differ (e.g. a cosmos14b checkpoint for a cosmos2b config)."""
   from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
   loaded = convert.load_converted(ckpt_dir)
   if isinstance(loaded, nnx.State):
     loaded = nnx.to_pure_dict(loaded)
-  shapes = lambda st: jax.tree.map(lambda a: tuple(a.shape), st)
-  want, got = shapes(nnx.to_pure_dict(abstract)), shapes(loaded)
-  if want != got:
+  shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)
+  if shapes(want) != shapes(loaded):
     raise ValueError(f'{key}={ckpt_dir!r}: converted parameters do not match the configured model '
-                     f'(first differences: {_first_differences(want, got)})')
-  host = jax.tree.map(lambda a, v: np.asarray(a, v.dtype), loaded, nnx.to_pure_dict(abstract))
+                     f'(first differences: {_first_differences(shapes(want), shapes(loaded))})')
+  return jax.tree.map(lambda a, v: np.asarray(a, v.dtype), loaded, want)
+
+
+def place_converted(abstract, shardings, ckpt_dir, key):
+  """Converted parameters placed from host memory on the shardings of the abstract nnx.State `abstract`."""
   state = jax.tree.map(lambda a: a, abstract)
-  nnx.replace_by_pure_dict(state, host)
+  nnx.replace_by_pure_dict(state, _load_converted(ckpt_dir, nnx.to_pure_dict(abstract), key))
   return parallel.place(state, shardings)
 
 
 def restore_converted(module, ckpt_dir, key):
-  """Loads `python -m ddrl_jax.models.convert` output into `module`'s Params, in place.
-
-  Raises ValueError naming the config key when the converted model's parameter shapes differ from the
-  configured module's (e.g. a cosmos14b checkpoint for a cosmos2b config).
-  """
-  from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
-  loaded = convert.load_converted(ckpt_dir)
-  shapes = lambda st: jax.tree.map(lambda a: tuple(a.shape), nnx.to_pure_dict(st))
-  want, got = shapes(nnx.state(module, nnx.Param)), shapes(loaded)
-  if want != got:
-    raise ValueError(f'{key}={ckpt_dir!r}: converted parameters do not match the configured model '
-                     f'(first differences: {_first_differences(want, got)})')
-  nnx.update(module, jax.tree.map(lambda v, a: jnp.asarray(a, v.dtype),
-                                  nnx.state(module, nnx.Param), loaded))
+  """Loads converted parameters into `module`'s Params, in place (see `_load_converted`)."""
+  state = nnx.state(module, nnx.Param)
+  host = _load_converted(ckpt_dir, nnx.to_pure_dict(state), key)
+  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, host))
+  nnx.update(module, state)
 
 
 def _first_differences(want, got, limit=5):
