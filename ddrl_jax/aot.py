@@ -31,6 +31,7 @@ from ml_collections import config_flags
 
 from ddrl_jax import cli
 from ddrl_jax import config as config_lib
+from ddrl_jax import distributed
 from ddrl_jax import optim
 from ddrl_jax import parallel
 from ddrl_jax import tasks
@@ -53,6 +54,7 @@ def _define_flags():
   _FNS = flags.DEFINE_list('fns', list(FUNCTIONS), f'Functions to compile, of {FUNCTIONS}.')
   _MARGIN = flags.DEFINE_float('margin', 0.0, 'Fail unless this fraction of HBM stays free.')
   flags.mark_flags_as_required(['config', 'topology'])
+  distributed.define_flags()
 
 
 def _with_sharding(abstract, shardings):
@@ -208,6 +210,7 @@ def main(argv):
   bad = [f for f in _FNS.value if f not in FUNCTIONS]
   if bad:
     raise app.UsageError(f'--fns: unknown {bad}; known: {FUNCTIONS}')
+  distributed.initialize(distributed.options_from_flags())   # the compilation cache; a no-op alone
   failed = []
   out = open(_OUT.value, 'a') if _OUT.value else None
   for row in compile_report(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _FNS.value):

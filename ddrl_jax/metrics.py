@@ -89,6 +89,19 @@ class MetricWriter:
       self._tb.close()
 
 
+class NullWriter:
+  """MetricWriter's interface, writing nothing: the writer of every process but process 0."""
+
+  def flush(self):
+    pass
+
+  def write(self, step, scalars):
+    del step, scalars
+
+  def close(self):
+    pass
+
+
 def read_metrics(workdir):
   """The JSONL records of a workdir, in order (a resumed run's last record for a step wins)."""
   path = os.path.join(workdir, 'metrics.jsonl')

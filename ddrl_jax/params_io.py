@@ -15,7 +15,8 @@ def save_params(path, params):
 
 def load_params(path, template, key='checkpoint'):
   """Reads `save_params` output into the structure of the nnx.State `template` (shapes checked)."""
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])   # portable across topologies
+  # This process's first device: portable across topologies, and addressable on every host.
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                         nnx.to_pure_dict(template))
   try:

@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 import tqdm
 
 from ddrl_jax import cli
+from ddrl_jax import distributed
 from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import params_io
@@ -38,6 +39,7 @@ from ddrl_jax import parallel
 from ddrl_jax import preemption
 from ddrl_jax import tasks
 from ddrl_jax import trainer as trainer_lib
+from ddrl_jax.parallel import hosts
 from ddrl_jax.rl import diffusion_loss
 
 
@@ -88,15 +90,20 @@ def evaluate(task, apply_fn, params, sampler, num, key, mesh):
   """Task metrics and (num, H, W, 3) uint8 images of EMA samples on held-out conditions."""
   cond = task.eval_conditions(jax.random.fold_in(key, 0), num)
   sample = trainer_lib.make_sample_fn(sampler, apply_fn, task.sample_shape, mesh)
-  cond = jax.device_put(cond, parallel.batch_sharding(mesh))
-  samples = np.asarray(sample(params, cond, jax.random.fold_in(key, 1))).reshape(
+  cond = np.asarray(cond)
+  sharding = parallel.batch_sharding(mesh)
+  placed = hosts.assemble(cond[hosts.row_split(sharding, num).mine], sharding, num)
+  samples = hosts.gather_global(sample(params, placed, jax.random.fold_in(key, 1))).reshape(
       (num,) + task.sample_shape)
   images, _ = task.reward_inputs(samples, cond)
-  return task.evaluate(samples, key, cond=np.asarray(cond)), images
+  return task.evaluate(samples, key, cond=cond), images
 
 
 def pretrain(config, workdir, progress=True):
-  """Runs (or resumes) pretraining to config.pretrain.steps; returns the EMA parameters."""
+  """Runs (or resumes) pretraining to config.pretrain.steps; returns the EMA parameters.
+
+  Data parallel over every device of every process: the state is replicated, each process feeds its
+  rows of each batch, and process 0 writes metrics, grids and the export's log."""
   c = config.pretrain
   task = tasks.get_task(config)
   mesh = parallel.make_mesh(config.mesh, jax.devices())
@@ -108,17 +115,23 @@ def pretrain(config, workdir, progress=True):
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                           optax.adamw(schedule, b2=0.99, weight_decay=c.weight_decay))
   state = dict(params=params, opt_state=optimizer.init(params), ema=jax.tree.map(jnp.copy, params))
+  replicated = parallel.replicated(mesh)
+  state = parallel.place(jax.device_get(state), jax.tree.map(lambda _: replicated, state))
+  batch_sharding = parallel.batch_sharding(mesh)
+  rows = hosts.row_split(batch_sharding, c.batch).mine
   mngr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), 'checkpoints'),
                                options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
   start = mngr.latest_step() or 0
   if start:
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), state)
     state = mngr.restore(start, args=ocp.args.StandardRestore(target))
     logging.warning('resumed pretraining at step %d', start)
   step_fn = make_step(apply_fn, optimizer, c)
   sampler = trainer_lib.make_sampler(config).deterministic()
-  writer = metrics_lib.MetricWriter(workdir, resume_step=start)
-  bar = tqdm.tqdm(total=c.steps, initial=start, disable=not progress, desc='pretrain', dynamic_ncols=True)
+  main = distributed.is_main_process()
+  writer = metrics_lib.MetricWriter(workdir, resume_step=start) if main else metrics_lib.NullWriter()
+  bar = tqdm.tqdm(total=c.steps, initial=start, disable=not (progress and main), desc='pretrain',
+                  dynamic_ncols=True)
   losses, t0 = [], time.perf_counter()
   p, o, e = state['params'], state['opt_state'], state['ema']
   try:
@@ -126,8 +139,9 @@ def pretrain(config, workdir, progress=True):
       for s, (x0, cond) in _prefetch(task, start, c.batch):
         if s >= c.steps:
           break
-        p, o, e, loss = step_fn(p, o, e, jnp.asarray(x0), jnp.asarray(cond),
-                                jax.random.fold_in(key, s))
+        x0, cond = hosts.assemble((np.asarray(x0)[rows], np.asarray(cond)[rows]), batch_sharding,
+                                  c.batch)
+        p, o, e, loss = step_fn(p, o, e, x0, cond, jax.random.fold_in(key, s))
         losses.append(loss)
         done = s + 1
         bar.update(1)
@@ -142,7 +156,8 @@ def pretrain(config, workdir, progress=True):
           metrics, images = evaluate(task, apply_fn, e, sampler, c.eval_samples,
                                      jax.random.fold_in(key, 0xE7A1), mesh)
           writer.write(done, {f'eval_ema/{k}': v for k, v in metrics.items()})
-          image_grid.write_grid(os.path.join(workdir, 'samples', f'step_{done:07d}.png'), images)
+          if main:
+            image_grid.write_grid(os.path.join(workdir, 'samples', f'step_{done:07d}.png'), images)
           logging.warning('step %d: %s', done, metrics)
         stop = guard.should_stop(done)
         if done % c.checkpoint_every == 0 or done == c.steps or stop:
@@ -167,6 +182,7 @@ def _define_flags():
   global _CONFIG, _WORKDIR
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config with a `pretrain` section.')
   _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics, sample grids, export/.')
+  distributed.define_flags()
 
 
 def main(argv):
@@ -174,6 +190,7 @@ def main(argv):
   if _CONFIG.value is None or not _WORKDIR.value:
     raise app.UsageError('--config and --workdir are required')
   logging.set_verbosity(logging.WARNING)
+  distributed.initialize(distributed.options_from_flags())      # before anything asks for devices
   pretrain(_CONFIG.value, _WORKDIR.value)
 
 

@@ -1,5 +1,9 @@
 """CLI: python -m ddrl_jax.train --config=configs/toy2d.py[:preset] --workdir=DIR [--config.key=value ...]
 
+On a pod or cluster every process runs the same command; ddrl_jax.distributed joins them (detected
+from Cloud TPU, SLURM, Kubernetes or Open MPI, or the --coordinator_address / --num_processes /
+--process_id flags) before any device is touched. --compilation_cache_dir keeps compiled programs.
+
 Rerunning with the same workdir resumes from its newest usable checkpoint. SIGTERM or SIGINT (Ctrl-C)
 finishes the running iteration, saves a checkpoint and exits 0 with a line saying how to resume; a
 second signal exits at once.
@@ -10,6 +14,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from ddrl_jax import cli
+from ddrl_jax import distributed
 from ddrl_jax import trainer as trainer_lib
 
 
@@ -20,12 +25,14 @@ def _define_flags():
                                             lock_config=True)
   _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and samples go here.')
   flags.mark_flags_as_required(['config', 'workdir'])
+  distributed.define_flags()
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments {argv[1:]} (flags are --name=value)')
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  distributed.initialize(distributed.options_from_flags())      # before anything asks for devices
   trainer = trainer_lib.Trainer(_CONFIG.value, _WORKDIR.value)
   metrics = trainer.train()
   if trainer.stopped_by is None and metrics:

@@ -24,6 +24,7 @@ import tqdm
 
 from ddrl_jax import checkpoints as checkpoints_lib
 from ddrl_jax import config as config_lib
+from ddrl_jax import distributed
 from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import optim
@@ -34,6 +35,7 @@ from ddrl_jax import rl as rl_lib
 from ddrl_jax import tasks
 from ddrl_jax.data import pipeline as data_pipeline
 from ddrl_jax.data import records as data_records
+from ddrl_jax.parallel import hosts
 from ddrl_jax.parallel import rules as rules_lib
 # The pure update lives in ddrl_jax/update.py; its names stay importable from here.
 from ddrl_jax.update import (  # pylint: disable=unused-import
@@ -79,6 +81,9 @@ class Trainer:
                        'unsharded ones (and between meshes); leave it at its default (True)')
     self.mesh = parallel.make_mesh(config.mesh, devices)
     self.plan = parallel.ShardingPlan.from_config(config, self.mesh)
+    # Which rows of each batch this process holds (all of them with one process).
+    self.layout = hosts.batch_layout(self.plan.batch(), self._data_sharding(config.batch_size),
+                                     config.batch_size, config.num_rollouts)
     self.state_shardings = None    # set by restore_or_init
     self.cast_params = None        # the task's compute-dtype copy of the parameters, if any
     self.task = tasks.get_task(config)
@@ -99,25 +104,30 @@ class Trainer:
     if os.environ.get('DDRL_EVENT_LOG'):
       self.event_hooks.append(_event_logger(os.environ['DDRL_EVENT_LOG']))
 
+  def _data_sharding(self, batch):
+    return self.plan.sharding(('act_batch',), (batch,), 'data')
+
   def _checkpoint_manager(self):
     return ocp.CheckpointManager(
         self.ckpt_dir,
         options=ocp.CheckpointManagerOptions(max_to_keep=self.config.max_checkpoints, create=True))
 
   def make_loader(self):
-    """The record loader of config.data.path (one batch of B records per iteration), or None."""
+    """The record loader of config.data.path, or None: per iteration one record per group this
+    process holds (all B with one process), from the shard of its row set (`hosts.BatchLayout`)."""
     d = self.config.data
     if not d.path:
       return None
-    if jax.process_count() > 1:
-      raise NotImplementedError('config.data.path with several processes: per-host batches are read, '
-                                'but assembling them into global arrays is not implemented yet')
     manifest = os.path.join(d.path, 'manifest.json') if os.path.isdir(d.path) else None
     expected = data_records.expected_from_manifest(d.path) if manifest and os.path.exists(
         manifest) else None
-    return data_pipeline.RecordLoader(d.path, self.config.batch_size, seed=self.config.seed,
+    # One record per group this process holds; processes holding the same groups (context/tensor
+    # replicas on other hosts) share a shard and read identical records.
+    lay = self.layout
+    return data_pipeline.RecordLoader(d.path, len(lay.groups), seed=self.config.seed,
                                       shuffle=d.shuffle, expected=expected, skip_bad=d.skip_bad,
-                                      worker_count=d.worker_count)
+                                      worker_count=d.worker_count, shard_index=lay.shard_index,
+                                      shard_count=lay.shard_count)
 
   # ------------------------------------------------------------------------------------- state
   def restore_or_init(self, read_only=False):
@@ -265,7 +275,7 @@ class Trainer:
                          self.task.sample_shape, self.optimizer, self.cast_params)
     self._rollout, self._sample = fns.rollout, fns.sample
     self._data_grads, self._update = fns.data_grads, fns.update
-    if self.rewards is None:
+    if self.rewards is None and self.layout.slots.is_lead:   # replica hosts' rows are scored by their lead
       self.rewards = rewards_lib.make_reward_service(self.config.reward)
       if hasattr(self.rewards, 'check'):
         self.rewards.check()
@@ -285,39 +295,59 @@ class Trainer:
   def collect(self, it):
     """Rollouts of iteration `it`, their rewards submitted (not awaited), and the paired data.
 
-    Returns (rollout without rewards, pending rewards, sample validity (B*N,), data batch).
+    Each process builds only the rows its devices hold (`self.layout`) and the global arrays are
+    assembled from them; the lead of each row set decodes and scores that set's rollouts.
+    Returns (rollout without rewards, pending rewards of this process's slot rows, their validity,
+    data batch).
     """
     c = self.config
+    lay = self.layout
+    b, n = c.batch_size, c.num_rollouts
     k_cond, k_roll, k_data, _ = self.iteration_keys(it)
-    batch = self.plan.batch()
-    if self.loader is None:
-      cond = self.task.conditions(k_cond, c.batch_size)
-      x0, prompts = None, self.task.prompts(cond)     # x0 is made while the rewards are scored
+    if self.loader is None:   # every process draws the same B conditions and keeps its own groups
+      global_cond = self.task.conditions(k_cond, b)
+      cond, x0 = lay.my_groups(global_cond), None      # x0 is made while the rewards are scored
+      prompts = self.task.prompts(cond)
     else:   # one record per group: its condition and clean sample, used by every trained step
       records = next(self.loader)
       cond, x0 = self.task.from_records(records, k_cond)
       prompts = list(records['prompt'])
-    slots = jax.tree.map(lambda a: np.repeat(np.asarray(a), c.num_rollouts, axis=0), cond)
-    slots = parallel.place(slots, jax.tree.map(lambda _: batch, slots))
+    local_slots = lay.slots_from_groups(cond)
+    slots = hosts.assemble(local_slots, self.plan.batch(), b * n)
     traj = jax.block_until_ready(self._rollout(self.state.params, slots, k_roll))
     self.event('rollout_done')
-    media, valid = self.task.reward_inputs(traj.x0[:, 0], slots)
-    slot_prompts = [p for p in prompts for _ in range(c.num_rollouts)]
-    pending = self.rewards.submit(media, slot_prompts)
+    if lay.slots.is_lead:
+      samples = hosts.local_values(traj.x0[:, 0], lay.slots.mine)
+      media, valid = self.task.reward_inputs(samples, local_slots)
+      slot_prompts = lay.list_from_groups(prompts)
+      pending = self.rewards.submit(media, slot_prompts)
+    else:     # a context/tensor replica host: its lead scores these rows
+      slot_prompts, valid = [], np.ones(len(lay.slots.mine), bool)
+      pending = rewards_lib.ScoredElsewhere(list(c.reward.fns), len(lay.slots.mine))
     self.event('rewards_submitted', num=len(slot_prompts))
     if x0 is None:
-      x0 = self.task.data(k_data, cond)
-    data = place_data(self.plan, DataBatch(x0=x0, cond=cond))
+      x0 = lay.my_groups(self.task.data(k_data, global_cond))
+    data = DataBatch(x0=lay.data_from_groups(x0), cond=lay.data_from_groups(cond))
+    data = hosts.assemble(data, self._data_sharding(b), b)
     return RolloutBatch(traj=traj, rewards=None, cond=slots), pending, valid, data
 
   def await_rewards(self, pending, valid):
-    """(B*N, R) float32 rewards of a pending request; NaN for failed or invalid samples."""
+    """(B*N, R) float32 rewards of all slots (on every process); NaN for failed or invalid samples.
+
+    Each lead's scores of its rows are exchanged between processes (a small all-gather), as are the
+    failure counts, so every process sees the same matrix and counts."""
     result = pending.result()
     names = list(self.config.reward.fns)
-    rewards = result.matrix(names)
-    rewards[~np.asarray(valid, bool)] = np.nan
+    mine = result.matrix(names)
+    mine[~np.asarray(valid, bool)] = np.nan
     for message in result.errors[:5]:
       logging.warning('reward: %s', message)
+    kinds = sorted(result.failures)
+    split = self.layout.slots
+    rewards = hosts.exchange(mine, split)
+    failures = hosts.allgather(np.asarray([result.failures[k] for k in kinds], np.int64))
+    leads = [sorted(split.of_process).index(p) for p in split.leads]
+    failures = dict(zip(kinds, failures[leads].sum(axis=0).tolist()))
     if np.isfinite(rewards).all(axis=1).any():
       self._failed_batches = 0
     else:
@@ -326,7 +356,7 @@ class Trainer:
         raise rewards_lib.RewardServiceError(
             f'{self._failed_batches} reward batches in a row failed completely '
             f'(config.reward.max_failed_batches); last errors: {result.errors[:3]}')
-    counts = {f'reward_failures/{k}': float(v) for k, v in result.failures.items()}
+    counts = {f'reward_failures/{k}': float(v) for k, v in failures.items()}
     return rewards, counts
 
   def train_iteration(self, it):
@@ -345,7 +375,8 @@ class Trainer:
     rewards, counts = self.await_rewards(pending, valid)
     self.event('rewards_ready')
     t3 = time.perf_counter()
-    rollout = rollout._replace(rewards=parallel.place(rewards, self.plan.batch()))
+    mine = rewards[self.layout.slots.mine]
+    rollout = rollout._replace(rewards=hosts.assemble(mine, self.plan.batch(), rewards.shape[0]))
     self.state, metrics = self._update(self.state, rollout, grads, key)
     metrics = combine_metrics(metrics, data_metrics, c)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -359,6 +390,12 @@ class Trainer:
     return metrics
 
   def evaluate(self, it):
+    """Metrics of samples of the fixed evaluation conditions, the same on every process.
+
+    Tasks whose metrics are means over samples (OCR, video) are evaluated per row set, each by its
+    lead process on its own rows, and the metrics averaged across processes weighted by rows; tasks
+    with `eval_needs_all_samples` (toy2d's sliced Wasserstein distances) gather the samples to every
+    process instead. Process 0 writes the grid of the first samples."""
     c = self.config
     dp = parallel.data_parallel_size(self.mesh)
     slots = max(dp, c.eval_samples // dp * dp)
@@ -367,23 +404,38 @@ class Trainer:
     key = jax.random.fold_in(root, it)
     # The same evaluation conditions at every evaluation (held-out ones when the task has them).
     make_cond = getattr(self.task, 'eval_conditions', self.task.conditions)
-    cond = rl_lib.repeat_groups(make_cond(root, groups), slots // groups)
-    host_cond = jax.device_get(cond)
-    cond = parallel.place(jax.device_get(cond), jax.tree.map(lambda _: self.plan.batch(), cond))
+    host_cond = jax.device_get(rl_lib.repeat_groups(make_cond(root, groups), slots // groups))
+    split = hosts.row_split(self.plan.batch(), slots)
+    my_cond = jax.tree.map(lambda a: np.asarray(a)[split.mine], host_cond)
+    cond = hosts.assemble(my_cond, self.plan.batch(), slots)
+    gather_all = getattr(self.task, 'eval_needs_all_samples', False)
     out = {}
     for name, params in (('eval', self.state.params), ('eval_ema', self.state.ema_params)):
       if params is None:
         continue
-      samples = np.asarray(self._sample(params, cond, key)).reshape((-1,) + self.task.sample_shape)
-      metrics = self.task.evaluate(samples, key, cond=host_cond)
+      samples = self._sample(params, cond, key)
+      if gather_all:
+        host = hosts.gather_global(samples).reshape((-1,) + self.task.sample_shape)
+        metrics = self.task.evaluate(host, key, cond=host_cond)
+      else:
+        mine = split.is_lead and hosts.local_values(samples, split.mine).reshape(
+            (-1,) + self.task.sample_shape)
+        metrics = self.task.evaluate(mine, key, cond=my_cond) if split.is_lead else None
+        metrics = hosts.mean_over_leads(metrics, len(split.mine), split)
       out.update({f'{name}/{k}': v for k, v in metrics.items()})
       self.write_samples(name, it, samples, host_cond)
     return out
 
   def write_samples(self, name, it, samples, cond, max_samples=32):
-    """An image grid of evaluation samples (same conditions and seed at every evaluation), for tasks
-    whose reward inputs are images (M, H, W, 3) or videos (M, F, H, W, 3: one row of frames each)."""
-    media, _ = self.task.reward_inputs(samples[:max_samples], jax.tree.map(lambda a: a[:max_samples], cond))
+    """An image grid of the first evaluation samples (same conditions and seed at every evaluation),
+    written by process 0, for tasks whose reward inputs are images (M, H, W, 3) or videos
+    (M, F, H, W, 3: one row of frames each). `samples` may be a global jax.Array."""
+    first = samples[:max_samples]
+    first = hosts.gather_global(first) if isinstance(first, jax.Array) else np.asarray(first)
+    if not distributed.is_main_process():
+      return
+    first = first.reshape((-1,) + self.task.sample_shape)
+    media, _ = self.task.reward_inputs(first, jax.tree.map(lambda a: a[:max_samples], cond))
     media = np.asarray(media)
     if media.dtype != np.uint8 or media.ndim not in (4, 5) or media.shape[-1] != 3:
       return
@@ -403,12 +455,14 @@ class Trainer:
     start = self.restore_or_init()
     self.event('restored', step=start)
     self._build()
-    writer = metrics_lib.MetricWriter(self.workdir, resume_step=start)
+    main = distributed.is_main_process()       # process 0 alone writes metrics and shows the bar
+    writer = (metrics_lib.MetricWriter(self.workdir, resume_step=start) if main else
+              metrics_lib.NullWriter())
     last = {}
     window = []
     bad_streak = 0                 # consecutive updates whose loss or parameters are non-finite
     self.stopped_by = None
-    bar = tqdm.tqdm(total=c.num_iterations, initial=start, disable=not progress, desc=c.algorithm,
+    bar = tqdm.tqdm(total=c.num_iterations, initial=start, disable=not (progress and main), desc=c.algorithm,
                     dynamic_ncols=True)
     try:
       with preemption.PreemptionGuard() as guard:

@@ -12,3 +12,4 @@ from ddrl_jax.rewards.service import COMBINE_MODES
 from ddrl_jax.rewards.service import LocalRewardService
 from ddrl_jax.rewards.service import make_reward_service
 from ddrl_jax.rewards.service import RewardSpec
+from ddrl_jax.rewards.service import ScoredElsewhere

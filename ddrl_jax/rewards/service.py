@@ -15,6 +15,8 @@ import dataclasses
 import os
 from typing import Dict, Tuple
 
+import numpy as np
+
 from ddrl_jax.rewards import pool as pool_lib
 from ddrl_jax.rewards import registry
 
@@ -116,3 +118,18 @@ def make_reward_service(reward_config):
         c.redis_url, token, spec, chunk_size=c.chunk_size, timeout_s=c.timeout_s,
         retries=c.retries, task_ttl_s=c.task_ttl_s)
   raise ValueError(f"config.reward.backend={c.backend!r}; known: 'local', 'redis'")
+
+
+class ScoredElsewhere:
+  """The pending result of a process whose rows another process (its row set's lead) scores: done at
+  once, NaN scores and no failures; the trainer's exchange replaces the NaNs with the lead's scores."""
+
+  def __init__(self, names, num):
+    self.names, self.num = list(names), int(num)
+
+  def done(self):
+    return True
+
+  def result(self):
+    return pool_lib.RewardResult(scores={n: np.full((self.num,), np.nan, np.float32) for n in self.names},
+                                 failures={k: 0 for k in pool_lib.FAILURE_KINDS}, errors=[])

@@ -129,6 +129,9 @@ class Toy2D:
   """The toy task for the trainer. Conditions are a dummy zero vector (the mixture is unconditional)."""
 
   sample_shape = (2,)
+  # Its metrics (sliced Wasserstein distances) need every sample at once: a multi-process evaluation
+  # gathers the (cheap, 2-D) samples instead of averaging per-process metrics.
+  eval_needs_all_samples = True
 
   def __init__(self, config):
     t = config.toy2d
