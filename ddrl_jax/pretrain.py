@@ -191,7 +191,8 @@ def main(argv):
     raise app.UsageError('--config and --workdir are required')
   logging.set_verbosity(logging.WARNING)
   distributed.initialize(distributed.options_from_flags())      # before anything asks for devices
-  pretrain(_CONFIG.value, _WORKDIR.value)
+  with distributed.fail_fast():
+    pretrain(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == '__main__':

@@ -33,8 +33,9 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments {argv[1:]} (flags are --name=value)')
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   distributed.initialize(distributed.options_from_flags())      # before anything asks for devices
-  trainer = trainer_lib.Trainer(_CONFIG.value, _WORKDIR.value)
-  metrics = trainer.train()
+  with distributed.fail_fast():     # a failing host ends the job instead of leaving the others waiting
+    trainer = trainer_lib.Trainer(_CONFIG.value, _WORKDIR.value)
+    metrics = trainer.train()
   if trainer.stopped_by is None and metrics:
     print('final: ' + ' '.join(f'{k}={v:.4g}' for k, v in sorted(metrics.items())))
 

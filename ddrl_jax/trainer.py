@@ -230,6 +230,16 @@ class Trainer:
         raise checkpoints_lib.IncompatibleCheckpoint(
             f'{path} has no data-iterator state, but config.data.path is set: it was written by a '
             f'run without records')
+      saved = data_pipeline.saved_state(path)
+      if saved is None:
+        raise checkpoints_lib.IncompatibleCheckpoint(
+            f'{path} holds no record-loader state for process {jax.process_index()} of '
+            f'{jax.process_count()}: it was written by another number of processes, and the loader '
+            'position cannot be carried over. Resume with the same number of processes.')
+      try:
+        data_pipeline.check_shard(saved, self.loader.shard, f'{path}: the loader state')
+      except ValueError as e:
+        raise checkpoints_lib.IncompatibleCheckpoint(str(e)) from None
       items['data'] = data_pipeline.restore_args(self.loader)   # restores the loader in place
     restored = self.ckpt.restore(step, args=ocp.args.Composite(**items))['state']
     rng = jax.random.wrap_key_data(restored.pop('rng'))
@@ -258,7 +268,9 @@ class Trainer:
     files' integrity. Synchronous, so a stop or kill after it returns never loses this step."""
     step = int(self.state.step)
     self.event('checkpoint_start', step=step)
-    items = dict(state=ocp.args.StandardSave(_state_to_tree(self.state, self.rng)),
+    # The root key as a replicated global array: orbax cannot save one process's local array on a pod.
+    rng = parallel.place(np.asarray(jax.random.key_data(self.rng)), self.plan.replicated())
+    items = dict(state=ocp.args.StandardSave(_state_to_tree(self.state, self.rng, rng)),
                  config=ocp.args.JsonSave(self.config.to_dict()))
     if self.loader is not None:
       items['data'] = data_pipeline.save_args(self.loader)

@@ -183,6 +183,7 @@ class RecordLoader:
                                        prefetch_buffer_size=prefetch or 2 * batch_size))
     self._iter = iter(self._loader)
     self.batch_size = batch_size
+    self.shard = (shard_index, shard_count)
 
   @property
   def num_skipped(self):
@@ -201,11 +202,12 @@ class RecordLoader:
     return next(self._iter)
 
   def get_state(self) -> bytes:
-    return json.dumps({'grain': json.loads(self._iter.get_state()),
+    return json.dumps({'grain': json.loads(self._iter.get_state()), 'shard': list(self.shard),
                        'records_seen': self.records_seen, 'num_skipped': self.num_skipped}).encode()
 
   def set_state(self, state: bytes):
     state = json.loads(state)
+    check_shard(state, self.shard)
     self._iter.set_state(json.dumps(state['grain']).encode())
     self._decode.records_seen = state['records_seen']
     self._decode.num_skipped = state['num_skipped']
@@ -213,6 +215,26 @@ class RecordLoader:
   def start_prefetch(self):
     """Starts reading ahead (grain's checkpoint handler calls this after a restore)."""
     self._iter.start_prefetch()
+
+
+def check_shard(state, shard, where='the saved loader state'):
+  """Raises ValueError when a saved state (dict) belongs to another shard than `shard` (index, count)."""
+  saved = tuple(state.get('shard') or shard)
+  if saved != tuple(shard):
+    raise ValueError(f'{where} is shard {saved[0]} of {saved[1]}, this loader reads shard {shard[0]} of '
+                     f'{shard[1]}: the records it would continue from are not this shard\'s (the mesh or '
+                     'the number of processes changed)')
+
+
+def saved_state(step_dir, item='data'):
+  """The dict this process's loader saved in a checkpoint step directory, or None if it has none
+  (written by another number of processes). grain's handler writes process_<i>-of-<n>.json."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  path = epath.Path(step_dir) / item / f'process_{jax.process_index()}-of-{jax.process_count()}.json'
+  if not path.exists():
+    return None
+  state = json.loads(path.read_text())
+  return json.loads(state) if isinstance(state, str) else state
 
 
 def save_args(loader):

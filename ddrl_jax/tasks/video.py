@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddrl_jax import parallel
+from ddrl_jax.parallel import hosts
 from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import cosmos_dit
 from ddrl_jax.models import text as text_lib
@@ -250,7 +251,6 @@ class CosmosVideo:
         m = nnx.merge(graphdef, s)
         return m.normalize_latents(m.encode(video))
 
-      @jax.jit
       def decode_u8(s, z):
         m = nnx.merge(graphdef, s)
         z = z.astype(jnp.float32)
@@ -260,7 +260,10 @@ class CosmosVideo:
         u8 = jnp.round((jnp.nan_to_num(video) + 1.0) * 127.5).clip(0, 255).astype(jnp.uint8)
         return u8, finite
 
+      # Decoding runs on this host's rollouts, split over all of its devices.
+      decode_u8 = hosts.local_data_parallel(decode_u8)
       self._vae = (state, encode, decode_u8)
+      self._vae_local_state = decode_u8.place(state)
     return self._vae
 
   def dataset_latents(self):
@@ -312,12 +315,18 @@ class CosmosVideo:
     return jnp.asarray(self.dataset_latents()[np.asarray(cond['index'])])
 
   def decode(self, latents):
-    """(M, 16, T, H, W) latents -> (uint8 videos (M, F, H, W, 3), finite (M,) bool)."""
-    state, _, decode_u8 = self._vae_fns()
+    """(M, 16, T, H, W) latents -> (uint8 videos (M, F, H, W, 3), finite (M,) bool), decoded in chunks
+    of config.cosmos.vae_batch per local device, data parallel over this host's devices."""
+    _, _, decode_u8 = self._vae_fns()
     latents = np.asarray(latents, np.float32)
     videos, finite = [], []
-    for s in range(0, latents.shape[0], self.c.vae_batch):
-      u8, ok = decode_u8(state, jnp.asarray(latents[s:s + self.c.vae_batch]))
+    step = self.c.vae_batch * decode_u8.num_devices     # config.cosmos.vae_batch videos per device
+    for s in range(0, latents.shape[0], step):
+      chunk = latents[s:s + step]
+      padded = np.zeros((step,) + chunk.shape[1:], np.float32)   # one compiled shape for every chunk
+      padded[:len(chunk)] = chunk
+      u8, ok = decode_u8(self._vae_local_state, padded)
+      u8, ok = u8[:len(chunk)], ok[:len(chunk)]
       videos.append(np.asarray(u8).transpose(0, 2, 3, 4, 1))
       finite.append(np.asarray(ok))
     return np.concatenate(videos), np.concatenate(finite)
