@@ -48,7 +48,8 @@ setup(
         'convert': CONVERT,
         # libtpu alone: compile ahead of time for TPU topologies on a CPU host (ddrl_jax.parallel.topology).
         'aot': ['libtpu==0.0.42.*'],
-        'tpu': ['jax[tpu]==0.10.2'],
+        # gcsfs / google-cloud-storage: gs:// workdirs (orbax via etils.epath, metrics, TensorBoard).
+        'tpu': ['jax[tpu]==0.10.2', 'gcsfs', 'google-cloud-storage'],
         'cuda': ['jax[cuda12]==0.10.2'],
         # PyTorch references for parity tests (diffusers' Cosmos/Wan modules, BERT); pytest-timeout makes
         # a hang fail its test (tests/conftest.py) instead of stalling CI.

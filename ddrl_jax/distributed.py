@@ -20,6 +20,7 @@ JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo (cross-process collectives), e.g. two pr
 """
 import contextlib
 import dataclasses
+import importlib.util
 import logging
 import os
 import sys
@@ -58,8 +59,9 @@ class Options:
 def detect_cluster(environ=None):
   """The kind of multi-process launcher this process runs under, from its environment, or None.
 
-  'explicit' (JAX_* variables), 'cloud_tpu' (a multi-host slice; a single-host TPU VM is one process),
-  'slurm' (an srun step of more than one task), 'open_mpi', 'kubernetes' (an indexed job)."""
+  'explicit' (JAX_* variables), 'cloud_tpu' (a multi-host slice's worker list, or any TPU VM when
+  reading the real environment), 'slurm' (an srun step of more than one task), 'open_mpi',
+  'kubernetes' (an indexed job, with the kubernetes package installed)."""
   env = os.environ if environ is None else environ
   for name, keys in CLUSTER_MARKERS:
     if name == 'cloud_tpu':
@@ -69,10 +71,16 @@ def detect_cluster(environ=None):
     elif name == 'slurm':
       if all(k in env for k in keys) and int(env.get('SLURM_NTASKS', '1') or 1) > 1:
         return name
+    elif name == 'kubernetes':
+      # JAX's Kubernetes bootstrap needs the kubernetes package (pip install 'jax[k8s]').
+      if all(k in env for k in keys) and importlib.util.find_spec('kubernetes') is not None:
+        return name
     elif all(k in env for k in keys):
       return name
   if environ is None and _on_cloud_tpu_vm():
-    return 'cloud_tpu'      # a TPU VM: JAX asks the metadata server how many workers the slice has
+    # Any TPU VM: JAX asks the metadata server how many workers the slice has (one on a single-host
+    # slice, which still gets JAX's preemption notices for maintenance events).
+    return 'cloud_tpu'
   return None
 
 

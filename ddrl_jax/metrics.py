@@ -8,6 +8,8 @@ from absl import logging
 from clu import metrics as clu_metrics
 import numpy as np
 
+from ddrl_jax import storage
+
 
 def average_metrics(per_step):
   """Averages a list of {name: scalar} dicts with clu.metrics.Average (keys may differ between dicts)."""
@@ -19,28 +21,31 @@ def average_metrics(per_step):
   return {k: float(v.compute()) for k, v in acc.items()}
 
 
+def _kept_lines(text, last_kept_step):
+  """(lines of steps <= last_kept_step, number dropped), dropping torn or unreadable lines too."""
+  kept, dropped = [], 0
+  for line in text.splitlines(keepends=True):
+    try:
+      rec = json.loads(line)
+      keep = line.endswith('\n') and rec['step'] <= last_kept_step
+    except (ValueError, KeyError, TypeError):
+      keep = False
+    if keep:
+      kept.append(line)
+    else:
+      dropped += 1
+  return kept, dropped
+
+
 def truncate_metrics(path, last_kept_step):
   """Rewrites a metrics.jsonl without the rows of steps > last_kept_step (and any torn line a kill
   left), atomically. Returns the number of rows dropped."""
-  if not os.path.exists(path):
+  text = storage.read_text(path)
+  if text is None:
     return 0
-  kept, dropped = [], 0
-  with open(path) as f:
-    for line in f:
-      try:
-        rec = json.loads(line)
-        keep = line.endswith('\n') and rec['step'] <= last_kept_step
-      except (ValueError, KeyError, TypeError):
-        keep = False
-      if keep:
-        kept.append(line)
-      else:
-        dropped += 1
+  kept, dropped = _kept_lines(text, last_kept_step)
   if dropped:
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-      f.writelines(kept)
-    os.replace(tmp, path)
+    storage.write_text(path, ''.join(kept))
   return dropped
 
 
@@ -49,10 +54,14 @@ class MetricWriter:
 
   resume_step: the step the run restarts from; rows and TensorBoard events written after it by an
   earlier (interrupted) run are dropped first. None: append to whatever the file holds.
+  A bucket workdir (gs://...) has no append: the file is rewritten whole at each write (it is small).
   """
 
   def __init__(self, workdir, resume_step=None):
-    os.makedirs(workdir, exist_ok=True)
+    workdir = str(workdir)
+    self.remote = storage.is_remote(workdir)
+    if not self.remote:
+      os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, 'metrics.jsonl')
     purge_step = None
     if resume_step is not None:
@@ -63,7 +72,11 @@ class MetricWriter:
         logging.warning('metrics.jsonl: dropped %d rows after step %d (they are re-run)', dropped,
                         last_kept)
       purge_step = last_kept + 1
-    self._file = open(self.path, 'a')
+    if self.remote:
+      self._lines = (storage.read_text(self.path) or '').splitlines(keepends=True)
+      self._file = None
+    else:
+      self._file = open(self.path, 'a')
     try:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'), purge_step=purge_step)
@@ -71,20 +84,27 @@ class MetricWriter:
       self._tb = None
 
   def flush(self):
-    self._file.flush()
+    if self._file is not None:
+      self._file.flush()
     if self._tb is not None:
       self._tb.flush()
 
   def write(self, step, scalars):
     scalars = {k: float(v) for k, v in scalars.items()}
-    self._file.write(json.dumps({'step': int(step), **scalars}, sort_keys=True) + '\n')
-    self._file.flush()
+    line = json.dumps({'step': int(step), **scalars}, sort_keys=True) + '\n'
+    if self.remote:
+      self._lines.append(line)
+      storage.write_text(self.path, ''.join(self._lines))
+    else:
+      self._file.write(line)
+      self._file.flush()
     if self._tb is not None:
       for k, v in scalars.items():
         self._tb.add_scalar(k, v, int(step))
 
   def close(self):
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._tb is not None:
       self._tb.close()
 
@@ -104,10 +124,11 @@ class NullWriter:
 
 def read_metrics(workdir):
   """The JSONL records of a workdir, in order (a resumed run's last record for a step wins)."""
-  path = os.path.join(workdir, 'metrics.jsonl')
+  text = storage.read_text(os.path.join(str(workdir), 'metrics.jsonl'))
+  if text is None:
+    raise FileNotFoundError(os.path.join(str(workdir), 'metrics.jsonl'))
   by_step = {}
-  with open(path) as f:
-    for line in f:
-      rec = json.loads(line)
-      by_step[(rec['step'], 'eval' if any(k.startswith('eval') for k in rec) else 'train')] = rec
+  for line in text.splitlines():
+    rec = json.loads(line)
+    by_step[(rec['step'], 'eval' if any(k.startswith('eval') for k in rec) else 'train')] = rec
   return [by_step[k] for k in sorted(by_step)]

@@ -5,11 +5,13 @@ import flax.nnx as nnx
 import jax
 import orbax.checkpoint as ocp
 
+from ddrl_jax import storage
+
 
 def save_params(path, params):
   """Writes a params-only orbax checkpoint (the pure dict of an nnx.State) to `path`."""
   ckptr = ocp.StandardCheckpointer()
-  ckptr.save(os.path.abspath(path), nnx.to_pure_dict(params), force=True)
+  ckptr.save(storage.absolute(path), nnx.to_pure_dict(params), force=True)
   ckptr.wait_until_finished()
 
 
@@ -20,7 +22,7 @@ def load_params(path, template, key='checkpoint'):
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                         nnx.to_pure_dict(template))
   try:
-    loaded = ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
+    loaded = ocp.StandardCheckpointer().restore(storage.absolute(path), target)
   except Exception as e:  # orbax names the mismatching leaf
     raise ValueError(f'{key}={path!r} does not match the configured model: {e}') from e
   state = jax.tree.map(lambda a: a, template)

@@ -37,6 +37,7 @@ from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import params_io
 from ddrl_jax import parallel
 from ddrl_jax import preemption
+from ddrl_jax import storage
 from ddrl_jax import tasks
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.parallel import hosts
@@ -117,9 +118,12 @@ def pretrain(config, workdir, progress=True):
   state = dict(params=params, opt_state=optimizer.init(params), ema=jax.tree.map(jnp.copy, params))
   replicated = parallel.replicated(mesh)
   state = parallel.place(jax.device_get(state), jax.tree.map(lambda _: replicated, state))
-  batch_sharding = parallel.batch_sharding(mesh)
+  # The batch over the data-parallel axes (replicated when it does not divide them).
+  batch_sharding = (parallel.batch_sharding(mesh) if c.batch % parallel.data_parallel_size(mesh) == 0
+                    else replicated)
   rows = hosts.row_split(batch_sharding, c.batch).mine
-  mngr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), 'checkpoints'),
+  workdir = storage.absolute(workdir)       # a local path or a bucket URL (gs://...)
+  mngr = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'),
                                options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
   start = mngr.latest_step() or 0
   if start:
@@ -168,7 +172,7 @@ def pretrain(config, workdir, progress=True):
           writer.flush()
           logging.warning('stopped by %s after step %d of %d; saved checkpoint %d in %s. Rerun the same '
                           'command to resume.', guard.received, done, c.steps, done,
-                          os.path.join(os.path.abspath(workdir), 'checkpoints'))
+                          os.path.join(workdir, 'checkpoints'))
           break
   finally:
     bar.close()

@@ -32,6 +32,7 @@ from ddrl_jax import parallel
 from ddrl_jax import preemption
 from ddrl_jax import rewards as rewards_lib
 from ddrl_jax import rl as rl_lib
+from ddrl_jax import storage
 from ddrl_jax import tasks
 from ddrl_jax.data import pipeline as data_pipeline
 from ddrl_jax.data import records as data_records
@@ -75,7 +76,7 @@ class Trainer:
     devices = jax.devices() if devices is None else list(devices)
     config_lib.validate(config, len(devices))
     self.config = config
-    self.workdir = os.path.abspath(workdir)
+    self.workdir = storage.absolute(workdir)   # a local path or a bucket URL (gs://...)
     if not jax.config.jax_threefry_partitionable:
       raise ValueError('jax_threefry_partitionable is off: sharded random draws would differ from '
                        'unsharded ones (and between meshes); leave it at its default (True)')
@@ -154,16 +155,27 @@ class Trainer:
     else:
       damaged = []
       for step in steps:
+        error = None
         try:
           self._restore(step, abstract_params, strict=not read_only)
-          break
-        except checkpoints_lib.IncompatibleCheckpoint:
-          raise
         except Exception as e:  # pylint: disable=broad-except  (any read failure = damaged)
-          why = f'{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ""}'
-          logging.warning('checkpoint %s is damaged (%s); trying an older one',
-                          self._step_dir(step), why)
-          damaged.append((step, why))
+          error = e
+        # Every process moves on to an older checkpoint together, whichever of them failed to read.
+        status = hosts.allgather(np.int32(0 if error is None else 2 if isinstance(
+            error, checkpoints_lib.IncompatibleCheckpoint) else 1))
+        if status.max() == 0:
+          break
+        if isinstance(error, checkpoints_lib.IncompatibleCheckpoint):
+          raise error
+        if status.max() == 2:
+          raise checkpoints_lib.IncompatibleCheckpoint(
+              f'{self._step_dir(step)}: another process found it incompatible (see its log)')
+        if error is None:
+          why = f'another process could not read it (processes {np.flatnonzero(status).tolist()})'
+        else:
+          why = f'{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ""}'
+        logging.warning('checkpoint %s is damaged (%s); trying an older one', self._step_dir(step), why)
+        damaged.append((step, why))
       else:
         listing = '; '.join(f'{self._step_dir(s)}: {why}' for s, why in damaged)
         raise checkpoints_lib.DamagedCheckpoint(
@@ -225,12 +237,15 @@ class Trainer:
     target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), target,
                           shardings)
     items = dict(state=ocp.args.StandardRestore(target))
-    if self.loader is not None:
+    if self.loader is not None and strict:    # readers (read_only) do not continue the record stream
       if 'data' not in metadata:
         raise checkpoints_lib.IncompatibleCheckpoint(
             f'{path} has no data-iterator state, but config.data.path is set: it was written by a '
             f'run without records')
       saved = data_pipeline.saved_state(path)
+      if saved is None and data_pipeline.saved_by_processes(path, jax.process_count()):
+        raise checkpoints_lib.DamagedCheckpoint(
+            f'{path}: the record-loader state of process {jax.process_index()} is missing')
       if saved is None:
         raise checkpoints_lib.IncompatibleCheckpoint(
             f'{path} holds no record-loader state for process {jax.process_index()} of '
@@ -250,7 +265,10 @@ class Trainer:
 
   def _set_aside(self, steps):
     """Moves damaged step directories to <workdir>/checkpoints_damaged/ (a later save reuses the step)."""
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and storage.is_remote(self.ckpt_dir):
+      logging.warning('damaged checkpoints %s left in place (%s is a bucket); a later save of the same '
+                      'step replaces them', steps, self.ckpt_dir)
+    elif jax.process_index() == 0:
       dest = os.path.join(self.workdir, 'checkpoints_damaged')
       os.makedirs(dest, exist_ok=True)
       for step in steps:
@@ -322,14 +340,17 @@ class Trainer:
       prompts = self.task.prompts(cond)
     else:   # one record per group: its condition and clean sample, used by every trained step
       records = next(self.loader)
+      if lay.shard_count > 1:   # per-group draws (e.g. T2V/I2V) differ between the shards' groups
+        k_cond = jax.random.fold_in(k_cond, lay.shard_index)
       cond, x0 = self.task.from_records(records, k_cond)
       prompts = list(records['prompt'])
     local_slots = lay.slots_from_groups(cond)
     slots = hosts.assemble(local_slots, self.plan.batch(), b * n)
     traj = jax.block_until_ready(self._rollout(self.state.params, slots, k_roll))
     self.event('rollout_done')
+    final = traj.x0[:, 0]          # a computation on global arrays: every process runs it
     if lay.slots.is_lead:
-      samples = hosts.local_values(traj.x0[:, 0], lay.slots.mine)
+      samples = hosts.local_values(final, lay.slots.mine)
       media, valid = self.task.reward_inputs(samples, local_slots)
       slot_prompts = lay.list_from_groups(prompts)
       pending = self.rewards.submit(media, slot_prompts)
@@ -395,11 +416,21 @@ class Trainer:
     self.event('update_done')
     t4 = time.perf_counter()
     if self.loader is not None:
-      counts.update(data_records_seen=float(self.loader.records_seen),
-                    data_records_skipped=float(self.loader.num_skipped))
+      seen, skipped = self._records_counted()
+      counts.update(data_records_seen=seen, data_records_skipped=skipped)
     metrics.update(counts, time_rollout_and_submit=t1 - t0, time_data_grad=t2 - t1,
                    time_reward_wait=t3 - t2, time_update=t4 - t3, time_reward_overlap=float(overlapped))
     return metrics
+
+  def _records_counted(self):
+    """(records read, records skipped) over all loader shards (each shard counted once)."""
+    lay = self.layout
+    table = hosts.allgather(np.asarray([lay.shard_index, self.loader.records_seen,
+                                        self.loader.num_skipped], np.int64))
+    first = {}
+    for shard, seen, skipped in table.tolist():
+      first.setdefault(shard, (seen, skipped))
+    return float(sum(v[0] for v in first.values())), float(sum(v[1] for v in first.values()))
 
   def evaluate(self, it):
     """Metrics of samples of the fixed evaluation conditions, the same on every process.

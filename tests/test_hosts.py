@@ -5,6 +5,7 @@ compile-only v5p devices carry their host's process index), the errors, the loca
 and cluster detection from environment variables.
 """
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -141,7 +142,9 @@ def test_local_data_parallel_matches_plain_jit_with_padding():
           SLURM_LOCALID='0'), None),                                     # one srun task
     ({'SLURM_JOB_ID': '7'}, None),                                       # sbatch script, outside srun
     ({'OMPI_MCA_orte_hnp_uri': '1.0;tcp://10.0.0.1:1'}, 'open_mpi'),
-    ({'KUBERNETES_SERVICE_HOST': '10.0.0.1', 'JOB_COMPLETION_INDEX': '2'}, 'kubernetes'),
+    # JAX's Kubernetes bootstrap needs the kubernetes package; without it this is one process.
+    ({'KUBERNETES_SERVICE_HOST': '10.0.0.1', 'JOB_COMPLETION_INDEX': '2'},
+     'kubernetes' if importlib.util.find_spec('kubernetes') else None),
 ])
 def test_detect_cluster_from_environment(env, expected):
   assert distributed.detect_cluster(env) == expected
@@ -170,3 +173,26 @@ def test_start_up_flags_parse_into_options():
                                         process_id=2, local_device_ids=[0, 1],
                                         compilation_cache_dir='/tmp/cache')
   assert options.explicit
+
+
+def test_bucket_workdirs_stay_urls_and_metrics_are_rewritten_whole(tmp_path, monkeypatch):
+  """A gs:// workdir is not made into a local path, and (as a bucket cannot append) MetricWriter then
+  rewrites metrics.jsonl whole through etils.epath; resuming drops the re-run steps as locally."""
+  from ddrl_jax import image_grid  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import storage  # pylint: disable=g-import-not-at-top
+  assert storage.absolute('gs://bucket/run') == 'gs://bucket/run'
+  assert storage.absolute('run') == str(tmp_path.cwd() / 'run')
+  monkeypatch.setattr(storage, 'is_remote', lambda path: True)   # epath also serves local paths
+  writer = metrics_lib.MetricWriter(tmp_path, resume_step=0)
+  assert writer.remote and writer._file is None
+  for step in (1, 2, 3):
+    writer.write(step, {'loss': float(step)})
+  writer.close()
+  resumed = metrics_lib.MetricWriter(tmp_path, resume_step=2)
+  resumed.write(3, {'loss': 30.0})
+  resumed.close()
+  assert [(r['step'], r['loss']) for r in metrics_lib.read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0),
+                                                                                 (3, 30.0)]
+  image_grid.write_grid(str(tmp_path / 'samples' / 'grid.png'), np.zeros((2, 4, 4, 3), np.uint8), 2)
+  assert (tmp_path / 'samples' / 'grid.png').read_bytes()[:4] == b'\x89PNG'

@@ -237,6 +237,13 @@ def saved_state(step_dir, item='data'):
   return json.loads(state) if isinstance(state, str) else state
 
 
+def saved_by_processes(step_dir, count, item='data'):
+  """Whether a checkpoint holds loader states written by `count` processes (any of them)."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  directory = epath.Path(step_dir) / item
+  return directory.exists() and any(p.name.endswith(f'-of-{count}.json') for p in directory.iterdir())
+
+
 def save_args(loader):
   """orbax args that save `loader`'s state: put under 'data' in ocp.args.Composite(...)."""
   return grain.checkpoint.CheckpointSave(loader)

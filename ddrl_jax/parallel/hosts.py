@@ -14,6 +14,7 @@ the scores in a small all-gather. With one process everything here is the identi
   full = exchange(scores_of_my_rows, rows)     # (num_rows, ...) on every host, each row from its lead
 """
 import dataclasses
+import functools
 from typing import Dict
 
 import jax
@@ -36,20 +37,26 @@ class RowSplit:
     """(k,) ascending global rows this process holds."""
     return self.of_process[self.process]
 
-  @property
+  @functools.cached_property
   def row_sets(self):
     """The distinct row sets (tuples), ordered by their first row."""
     return sorted({tuple(r.tolist()) for r in self.of_process.values()}, key=lambda t: t[0])
 
+  @functools.cached_property
+  def _lead_of(self):
+    first = {}
+    for p in sorted(self.of_process):
+      first.setdefault(tuple(self.of_process[p].tolist()), p)
+    return {p: first[tuple(r.tolist())] for p, r in self.of_process.items()}
+
   def lead_of(self, process):
     """The lowest process holding the same rows as `process`."""
-    target = tuple(self.of_process[process].tolist())
-    return min(p for p, r in self.of_process.items() if tuple(r.tolist()) == target)
+    return self._lead_of[process]
 
-  @property
+  @functools.cached_property
   def leads(self):
     """Sorted processes that lead their row set (one per distinct set)."""
-    return sorted({self.lead_of(p) for p in self.of_process})
+    return sorted(set(self._lead_of.values()))
 
   @property
   def is_lead(self):
@@ -142,7 +149,17 @@ def gather_global(x):
 
 def mean_over_leads(metrics, weight, split):
   """The `weight`-weighted mean of each lead process's `metrics` dict (non-leads pass None), the same
-  on every process. Leads must report the same keys."""
+  on every process; a lead's NaN (e.g. no finite sample in its rows) is left out of that metric's mean.
+  Exact for metrics that are means over samples; for others (a standard deviation) it is the mean of
+  the row sets' values. Leads must report the same keys. One lead: its metrics unchanged."""
+  if len(split.leads) == 1:
+    if jax.process_count() > 1:     # the lead's values, shared with its replicas
+      keys = [str(k) for k in allgather_keys(sorted(metrics) if metrics is not None else [])]
+      vec = allgather(np.asarray([float(metrics[k]) for k in keys] if metrics is not None
+                                 else [np.nan] * len(keys), np.float64))[sorted(split.of_process).index(
+                                     split.leads[0])]
+      return dict(zip(keys, vec.tolist()))
+    return {k: float(v) for k, v in metrics.items()}
   keys = sorted(metrics) if metrics is not None else []
   keys = [str(k) for k in allgather_keys(keys)]
   vec = np.asarray([float(metrics[k]) for k in keys] + [float(weight)] if metrics is not None
@@ -150,8 +167,11 @@ def mean_over_leads(metrics, weight, split):
   table = allgather(vec)
   processes = sorted(split.of_process)
   rows = np.stack([table[processes.index(p)] for p in split.leads])
-  w = rows[:, -1]
-  return {k: float(np.sum(rows[:, i] * w) / np.sum(w)) for i, k in enumerate(keys)}
+  out = {}
+  for i, k in enumerate(keys):
+    w = np.where(np.isfinite(rows[:, i]), rows[:, -1], 0.0)
+    out[k] = float(np.sum(np.nan_to_num(rows[:, i]) * w) / np.sum(w)) if w.sum() else float('nan')
+  return out
 
 
 def allgather_keys(keys):
