@@ -14,15 +14,12 @@ from the root key and the step). Setting DDRL_EVENT_LOG=<file> appends each iter
 import json
 import logging
 import os
-import shutil
 import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import tqdm
 
-from ddrl_jax import checkpoints as checkpoints_lib
 from ddrl_jax import config as config_lib
 from ddrl_jax import distributed
 from ddrl_jax import image_grid
@@ -31,6 +28,7 @@ from ddrl_jax import optim
 from ddrl_jax import parallel
 from ddrl_jax import preemption
 from ddrl_jax import rewards as rewards_lib
+from ddrl_jax import resume
 from ddrl_jax import rl as rl_lib
 from ddrl_jax import storage
 from ddrl_jax import tasks
@@ -91,9 +89,9 @@ class Trainer:
     self.sampler = make_sampler(config)
     self.optimizer = optim.make_optimizer(config.optim)
     self.rng = jax.random.key(config.seed)
-    self.ckpt_dir = os.path.join(self.workdir, 'checkpoints')
-    self.ckpt = self._checkpoint_manager()
     self.loader = self.make_loader()
+    self.checkpoints = resume.RunCheckpoints(self.workdir, config, self.loader)
+    self.ckpt_dir = self.checkpoints.dir
     self.apply_fn = None
     self.state = None
     self.rewards = None            # the reward service, started by _build
@@ -108,10 +106,10 @@ class Trainer:
   def _data_sharding(self, batch):
     return self.plan.sharding(('act_batch',), (batch,), 'data')
 
-  def _checkpoint_manager(self):
-    return ocp.CheckpointManager(
-        self.ckpt_dir,
-        options=ocp.CheckpointManagerOptions(max_to_keep=self.config.max_checkpoints, create=True))
+  @property
+  def ckpt(self):
+    """The orbax CheckpointManager of the workdir (resume.RunCheckpoints.manager)."""
+    return self.checkpoints.manager
 
   def make_loader(self):
     """The record loader of config.data.path, or None: per iteration one record per group this
@@ -135,54 +133,33 @@ class Trainer:
     """Restores the newest usable checkpoint of the workdir, or builds the initial state. Returns its step.
 
     Newest first, a checkpoint is skipped (with a warning naming it) when its files fail their
-    integrity record or orbax cannot read it, and the damaged ones are moved to
-    `checkpoints_damaged/` once an older one restores. A checkpoint written with another config
-    raises `checkpoints.IncompatibleCheckpoint`; if every checkpoint is damaged the run stops with
-    `checkpoints.DamagedCheckpoint` rather than start again from step 0.
+    integrity record or orbax cannot read it (on any process), and the damaged ones are moved to
+    `checkpoints_damaged/` once an older one restores (`resume.RunCheckpoints`). A checkpoint written
+    with another config raises `checkpoints.IncompatibleCheckpoint`; if every checkpoint is damaged
+    the run stops with `checkpoints.DamagedCheckpoint` rather than start again from step 0.
 
     read_only: for readers of a workdir (evaluation, sampling): config differences are logged, not
     refused (the model's shapes must still match), and nothing is moved.
     """
     model_key = jax.random.fold_in(self.rng, 0x6D6F64)
-    steps = sorted(self.ckpt.all_steps(), reverse=True)
     self.apply_fn, abstract_params = self.task.abstract_params(model_key)
     self._plan_state(abstract_params)
-    if not steps:
+    abstract_state = jax.eval_shape(
+        lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
+    # Restore onto this run's mesh and rules, whatever topology wrote the checkpoint (e.g. 8 devices -> 1):
+    # orbax reads each device's own slices.
+    shardings = _state_to_tree(self.state_shardings, None, self.plan.replicated())
+    target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                          _state_to_tree(abstract_state, self.rng), shardings)
+    restored = self.checkpoints.restore_newest(target, read_only=read_only)
+    if restored is None:
       params = self._initial_params(model_key)
       init = jax.jit(lambda p: init_train_state(p, self.config, self.optimizer),
                      in_shardings=(self.state_shardings.params,), out_shardings=self.state_shardings)
       self.state = init(params)      # fresh buffers: the donating update never frees the task's arrays
     else:
-      damaged = []
-      for step in steps:
-        error = None
-        try:
-          self._restore(step, abstract_params, strict=not read_only)
-        except Exception as e:  # pylint: disable=broad-except  (any read failure = damaged)
-          error = e
-        # Every process moves on to an older checkpoint together, whichever of them failed to read.
-        status = hosts.allgather(np.int32(0 if error is None else 2 if isinstance(
-            error, checkpoints_lib.IncompatibleCheckpoint) else 1))
-        if status.max() == 0:
-          break
-        if isinstance(error, checkpoints_lib.IncompatibleCheckpoint):
-          raise error
-        if status.max() == 2:
-          raise checkpoints_lib.IncompatibleCheckpoint(
-              f'{self._step_dir(step)}: another process found it incompatible (see its log)')
-        if error is None:
-          why = f'another process could not read it (processes {np.flatnonzero(status).tolist()})'
-        else:
-          why = f'{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ""}'
-        logging.warning('checkpoint %s is damaged (%s); trying an older one', self._step_dir(step), why)
-        damaged.append((step, why))
-      else:
-        listing = '; '.join(f'{self._step_dir(s)}: {why}' for s, why in damaged)
-        raise checkpoints_lib.DamagedCheckpoint(
-            f'every checkpoint in {self.ckpt_dir} is damaged ({listing}). Not starting again from '
-            f'step 0: move {self.ckpt_dir} away to do that.')
-      if damaged and not read_only:
-        self._set_aside([s for s, _ in damaged])
+      self.rng = jax.random.wrap_key_data(restored.pop('rng'))
+      self.state = TrainState(**{f: restored.get(f) for f in TrainState._fields})
       logging.warning('resuming %s from step %d', self.workdir, int(self.state.step))
     return int(self.state.step)
 
@@ -211,75 +188,7 @@ class Trainer:
     return parallel.place(params, shardings)
 
   def _step_dir(self, step):
-    return os.path.join(self.ckpt_dir, str(step))
-
-  def _restore(self, step, abstract_params, strict=True):
-    """Restores checkpoint `step` into self.state / self.rng (and the loader), after checking it."""
-    path = self._step_dir(step)
-    if checkpoints_lib.is_local(path):
-      checkpoints_lib.verify(path)
-    metadata = self.ckpt.item_metadata(step)
-    if 'config' not in metadata:
-      raise checkpoints_lib.DamagedCheckpoint(f'{path}: no config item')
-    saved = self.ckpt.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
-    if strict:
-      changed = checkpoints_lib.check_compatible(saved, self.config.to_dict(), path)
-    else:
-      changed = sum(checkpoints_lib.config_differences(saved, self.config.to_dict()), [])
-    for key, old, new in changed:
-      logging.warning('resuming %s with %s changed: %r -> %r', path, key, old, new)
-    abstract_state = jax.eval_shape(
-        lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
-    target = _state_to_tree(abstract_state, self.rng)
-    # Restore onto this run's mesh and rules, whatever topology wrote the checkpoint (e.g. 8 devices -> 1):
-    # orbax reads each device's own slices.
-    shardings = _state_to_tree(self.state_shardings, None, self.plan.replicated())
-    target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), target,
-                          shardings)
-    items = dict(state=ocp.args.StandardRestore(target))
-    if self.loader is not None and strict:    # readers (read_only) do not continue the record stream
-      if 'data' not in metadata:
-        raise checkpoints_lib.IncompatibleCheckpoint(
-            f'{path} has no data-iterator state, but config.data.path is set: it was written by a '
-            f'run without records')
-      saved = data_pipeline.saved_state(path)
-      if saved is None and data_pipeline.saved_by_processes(path, jax.process_count()):
-        raise checkpoints_lib.DamagedCheckpoint(
-            f'{path}: the record-loader state of process {jax.process_index()} is missing')
-      if saved is None:
-        raise checkpoints_lib.IncompatibleCheckpoint(
-            f'{path} holds no record-loader state for process {jax.process_index()} of '
-            f'{jax.process_count()}: it was written by another number of processes, and the loader '
-            'position cannot be carried over. Resume with the same number of processes.')
-      try:
-        data_pipeline.check_shard(saved, self.loader.shard, f'{path}: the loader state')
-      except ValueError as e:
-        raise checkpoints_lib.IncompatibleCheckpoint(str(e)) from None
-      items['data'] = data_pipeline.restore_args(self.loader)   # restores the loader in place
-    restored = self.ckpt.restore(step, args=ocp.args.Composite(**items))['state']
-    rng = jax.random.wrap_key_data(restored.pop('rng'))
-    state = TrainState(**{f: restored.get(f) for f in TrainState._fields})
-    if int(state.step) != step:
-      raise checkpoints_lib.DamagedCheckpoint(f'{path}: holds step {int(state.step)}, not {step}')
-    self.rng, self.state = rng, state
-
-  def _set_aside(self, steps):
-    """Moves damaged step directories to <workdir>/checkpoints_damaged/ (a later save reuses the step)."""
-    if jax.process_index() == 0 and storage.is_remote(self.ckpt_dir):
-      logging.warning('damaged checkpoints %s left in place (%s is a bucket); a later save of the same '
-                      'step replaces them', steps, self.ckpt_dir)
-    elif jax.process_index() == 0:
-      dest = os.path.join(self.workdir, 'checkpoints_damaged')
-      os.makedirs(dest, exist_ok=True)
-      for step in steps:
-        target = os.path.join(dest, f'{step}_{time.strftime("%Y%m%d-%H%M%S")}')
-        shutil.move(self._step_dir(step), target)
-        logging.warning('moved damaged checkpoint %s to %s', self._step_dir(step), target)
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      multihost_utils.sync_global_devices('ddrl_jax: damaged checkpoints set aside')
-    self.ckpt.close()
-    self.ckpt = self._checkpoint_manager()
+    return self.checkpoints.step_dir(step)
 
   def save(self):
     """Saves the state (and loader and config) at its step, waits for the commit, then records the
@@ -288,15 +197,7 @@ class Trainer:
     self.event('checkpoint_start', step=step)
     # The root key as a replicated global array: orbax cannot save one process's local array on a pod.
     rng = parallel.place(np.asarray(jax.random.key_data(self.rng)), self.plan.replicated())
-    items = dict(state=ocp.args.StandardSave(_state_to_tree(self.state, self.rng, rng)),
-                 config=ocp.args.JsonSave(self.config.to_dict()))
-    if self.loader is not None:
-      items['data'] = data_pipeline.save_args(self.loader)
-    self.ckpt.save(step, args=ocp.args.Composite(**items), force=True)
-    self.ckpt.wait_until_finished()
-    path = self._step_dir(step)
-    if self.config.checkpoint_checksums and jax.process_index() == 0 and checkpoints_lib.is_local(path):
-      checkpoints_lib.write_integrity(path)
+    self.checkpoints.save(step, _state_to_tree(self.state, self.rng, rng))
     self.event('checkpoint_done', step=step)
 
   # --------------------------------------------------------------------------------------- loop
