@@ -143,9 +143,7 @@ class Trainer:
     """
     model_key = jax.random.fold_in(self.rng, 0x6D6F64)
     self.apply_fn, abstract_params = self.task.abstract_params(model_key)
-    self._plan_state(abstract_params)
-    abstract_state = jax.eval_shape(
-        lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
+    abstract_state = self._plan_state(abstract_params)
     # Restore onto this run's mesh and rules, whatever topology wrote the checkpoint (e.g. 8 devices -> 1):
     # orbax reads each device's own slices.
     shardings = _state_to_tree(self.state_shardings, None, self.plan.replicated())
@@ -164,7 +162,8 @@ class Trainer:
     return int(self.state.step)
 
   def _plan_state(self, abstract_params):
-    """Shardings of the train state by the logical rules, checked and logged (per-device bytes)."""
+    """Shardings of the train state by the logical rules, checked and logged (per-device bytes).
+    Returns the abstract train state."""
     abstract_state = jax.eval_shape(
         lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
     self.state_shardings = self.plan.state(abstract_state, self.optimizer)
@@ -176,6 +175,7 @@ class Trainer:
                     100 * report['replicated_fraction'], opt['per_device_bytes'] / 2**30)
     self.sharding_report = dict(params=report, opt_state=opt)
     self.cast_params = getattr(self.task, 'cast_params', None)
+    return abstract_state
 
   def _initial_params(self, key):
     """Initial parameters placed shard by shard: the task's sharded init when it has one (the Cosmos
@@ -279,9 +279,9 @@ class Trainer:
     kinds = sorted(result.failures)
     split = self.layout.slots
     rewards = hosts.exchange(mine, split)
-    failures = hosts.allgather(np.asarray([result.failures[k] for k in kinds], np.int64))
-    leads = [sorted(split.of_process).index(p) for p in split.leads]
-    failures = dict(zip(kinds, failures[leads].sum(axis=0).tolist()))
+    failures = split.lead_entries(hosts.allgather(np.asarray([result.failures[k] for k in kinds],
+                                                             np.int64)))
+    failures = dict(zip(kinds, failures.sum(axis=0).tolist()))
     if np.isfinite(rewards).all(axis=1).any():
       self._failed_batches = 0
     else:

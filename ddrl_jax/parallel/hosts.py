@@ -62,6 +62,11 @@ class RowSplit:
   def is_lead(self):
     return self.lead_of(self.process) == self.process
 
+  def lead_entries(self, table):
+    """The leads' entries (in `leads` order) of an `allgather` table, whose axis 0 is in process order."""
+    processes = sorted(self.of_process)
+    return np.stack([table[processes.index(p)] for p in self.leads])
+
 
 def row_split(sharding, num_rows, process=None):
   """The RowSplit of the leading axis of a (num_rows, ...) array under `sharding` (any rank; only the
@@ -131,11 +136,9 @@ def exchange(mine, split):
   mine = np.asarray(mine)
   if mine.shape[0] != len(split.mine):
     raise ValueError(f'exchange: {mine.shape[0]} values for {len(split.mine)} rows')
-  gathered = allgather(mine)
   out = np.zeros((split.num_rows,) + mine.shape[1:], mine.dtype)
-  processes = sorted(split.of_process)
-  for p in split.leads:
-    out[split.of_process[p]] = gathered[processes.index(p)]
+  for p, values in zip(split.leads, split.lead_entries(allgather(mine))):
+    out[split.of_process[p]] = values
   return out
 
 
@@ -152,21 +155,12 @@ def mean_over_leads(metrics, weight, split):
   on every process; a lead's NaN (e.g. no finite sample in its rows) is left out of that metric's mean.
   Exact for metrics that are means over samples; for others (a standard deviation) it is the mean of
   the row sets' values. Leads must report the same keys. One lead: its metrics unchanged."""
-  if len(split.leads) == 1:
-    if jax.process_count() > 1:     # the lead's values, shared with its replicas
-      keys = [str(k) for k in allgather_keys(sorted(metrics) if metrics is not None else [])]
-      vec = allgather(np.asarray([float(metrics[k]) for k in keys] if metrics is not None
-                                 else [np.nan] * len(keys), np.float64))[sorted(split.of_process).index(
-                                     split.leads[0])]
-      return dict(zip(keys, vec.tolist()))
-    return {k: float(v) for k, v in metrics.items()}
-  keys = sorted(metrics) if metrics is not None else []
-  keys = [str(k) for k in allgather_keys(keys)]
+  keys = [str(k) for k in allgather_keys(sorted(metrics) if metrics is not None else [])]
   vec = np.asarray([float(metrics[k]) for k in keys] + [float(weight)] if metrics is not None
                    else [np.nan] * len(keys) + [0.0], np.float64)
-  table = allgather(vec)
-  processes = sorted(split.of_process)
-  rows = np.stack([table[processes.index(p)] for p in split.leads])
+  rows = split.lead_entries(allgather(vec))
+  if len(rows) == 1:              # no mean to take: the lead's values as they are
+    return dict(zip(keys, rows[0, :-1].tolist()))
   out = {}
   for i, k in enumerate(keys):
     w = np.where(np.isfinite(rows[:, i]), rows[:, -1], 0.0)
