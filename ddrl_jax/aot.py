@@ -36,6 +36,7 @@ from ddrl_jax import optim
 from ddrl_jax import parallel
 from ddrl_jax import tasks
 from ddrl_jax import trainer as trainer_lib
+from ddrl_jax import xla_flags
 from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import cosmos_dit
 from ddrl_jax.rl import algorithms
@@ -229,5 +230,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  xla_flags.apply()       # before any JAX backend starts
   _define_flags()
   app.run(main, flags_parser=cli.parse_flags)

@@ -40,6 +40,7 @@ from ddrl_jax import preemption
 from ddrl_jax import storage
 from ddrl_jax import tasks
 from ddrl_jax import trainer as trainer_lib
+from ddrl_jax import xla_flags
 from ddrl_jax.parallel import hosts
 from ddrl_jax.rl import diffusion_loss
 
@@ -200,5 +201,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  xla_flags.apply()       # before any JAX backend starts
   _define_flags()
   app.run(main, flags_parser=cli.parse_flags)

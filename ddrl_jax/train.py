@@ -16,6 +16,7 @@ from ml_collections import config_flags
 from ddrl_jax import cli
 from ddrl_jax import distributed
 from ddrl_jax import trainer as trainer_lib
+from ddrl_jax import xla_flags
 
 
 def _define_flags():
@@ -41,5 +42,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  xla_flags.apply()       # before any JAX backend starts
   _define_flags()
   app.run(main, flags_parser=cli.parse_flags)

@@ -3,6 +3,9 @@ import types
 
 import jax
 
+from ddrl_jax import xla_flags
+
+xla_flags.apply()   # the CLIs' XLA:CPU flags (ddrl_jax/xla_flags.py), before any backend starts
 # Eight fake CPU devices for the sharding tests; must run before any JAX backend starts. The CPU platform
 # only: with libtpu installed (the aot extra) JAX would otherwise probe for TPU chips in every process and
 # hold libtpu's lock file (AOT compiles for TPU topologies still work, see parallel/topology.py).

@@ -217,9 +217,24 @@ def replace_cond_velocity(v, noise, gt, cond_mask):
 # ----------------------------------------------------------------------------------------------- modules
 
 
+class TokenLinear(nnx.Linear):
+  """nnx.Linear applied to (..., din) as one (prod(...), din) matrix: (..., din) -> (..., dout).
+
+  The same result and parameters as nnx.Linear. Flattening the leading axes first makes the kernel's
+  gradient a single-axis contraction x^T dy; contracting several leading axes at once makes XLA:CPU
+  transpose both operands (and re-run the fused producers) before the matmul, about 1.7x the cost of
+  the DiT's forward+backward at width 128 (benchmarks/RESULTS.md, issue 13).
+  """
+
+  def __call__(self, x):
+    lead = x.shape[:-1]
+    y = super().__call__(x.reshape(-1, x.shape[-1]))
+    return y.reshape(lead + y.shape[-1:])
+
+
 def _linear(din, dout, names, rngs, *, dtype, param_dtype, bias=False):
-  """A Linear whose kernel (din, dout) and bias (dout,) carry logical axis `names`."""
-  return nnx.Linear(
+  """A TokenLinear whose kernel (din, dout) and bias (dout,) carry logical axis `names`."""
+  return TokenLinear(
       din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
       kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), names, eager_sharding=False),
       bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), names[1:], eager_sharding=False))

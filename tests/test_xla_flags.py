@@ -1,0 +1,38 @@
+"""ddrl_jax.xla_flags: defaults are added to XLA_FLAGS once, never override the user's, and are live here."""
+import jax
+import pytest
+
+from ddrl_jax import xla_flags
+
+
+def test_defaults_added_to_an_empty_environment():
+  env = {}
+  assert xla_flags.apply(env) == '--xla_cpu_experimental_ynn_fusion_type=dot'
+  assert env['XLA_FLAGS'] == '--xla_cpu_experimental_ynn_fusion_type=dot'
+
+
+def test_user_flags_kept_and_defaults_appended_once():
+  value = xla_flags.with_defaults('--xla_dump_to=/tmp/d')
+  assert value == '--xla_dump_to=/tmp/d --xla_cpu_experimental_ynn_fusion_type=dot'
+  assert xla_flags.with_defaults(value) == value
+
+
+@pytest.mark.parametrize('given', ['--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce',
+                                   'xla_cpu_experimental_ynn_fusion_type=reduce'])
+def test_a_flag_the_user_set_is_not_changed(given):
+  assert xla_flags.with_defaults(given) == given
+
+
+def test_apply_after_a_backend_started_is_an_error(monkeypatch):
+  jax.numpy.zeros(1).block_until_ready()
+  monkeypatch.setenv('XLA_FLAGS', '')
+  with pytest.raises(RuntimeError, match='before the first JAX computation'):
+    xla_flags.apply()
+
+
+def test_the_suite_runs_with_the_defaults():
+  """conftest applies them before the backend starts: the compiled program hands XLA:CPU's YNNPACK only
+  the dot, not the reduction that follows it."""
+  hlo = jax.jit(lambda a: (a @ a).sum(0)).lower(jax.numpy.ones((64, 64))).compile().as_text()
+  fusions = [line for line in hlo.splitlines() if '__ynn_fusion' in line]
+  assert fusions and all('reduce' not in line for line in fusions)
