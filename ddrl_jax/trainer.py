@@ -5,6 +5,10 @@ decoded samples submitted to the reward service -> the diffusion-loss gradient, 
 are pending -> the policy gradient once they arrive, added to it in the jitted update -> AdamW -> power
 EMA. Shardings come from the run's `parallel.ShardingPlan` (config.mesh, config.sharding).
 
+Throughput: every metrics row has the iteration's model FLOPs (`flops_per_iteration`, ddrl_jax/flops.py)
+and, after the first iteration (which compiles), `achieved_flops_per_s` over `time_compute` (rollout +
+data gradient + update, without the reward wait) and, where the chips' peak is known, `mfu`.
+
 Fault tolerance: SIGTERM/SIGINT stop after the current iteration with a checkpoint (ddrl_jax.preemption);
 a resume restores the newest checkpoint that passes its integrity record and whose config matches
 (ddrl_jax.checkpoints), moving damaged ones aside, and re-runs the lost steps exactly (every key derives
@@ -22,6 +26,7 @@ import tqdm
 
 from ddrl_jax import config as config_lib
 from ddrl_jax import distributed
+from ddrl_jax import flops as flops_lib
 from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import optim
@@ -63,6 +68,16 @@ def _state_to_tree(state, rng, rng_value=None):
   return tree
 
 
+def _throughput_postfix(avg):
+  """Progress-bar fields of averaged metrics: achieved GFLOP/s and MFU (%) when they were logged."""
+  out = {}
+  if 'achieved_flops_per_s' in avg:
+    out['GFLOP/s'] = f"{avg['achieved_flops_per_s'] / 1e9:.4g}"
+  if 'mfu' in avg:
+    out['mfu'] = f"{100 * avg['mfu']:.1f}%"
+  return out
+
+
 class NonFiniteTrainingError(RuntimeError):
   """The loss or the parameters stayed non-finite for config.max_nonfinite_steps updates in a row."""
 
@@ -99,6 +114,7 @@ class Trainer:
     self.events = []               # (name, time, info) of the current iteration
     self.event_hooks = []          # callables (name, info), called at each event
     self.iteration = None          # the iteration running now (events carry it)
+    self._compiled = False         # set after the first iteration of the built functions (compiles)
     self.stopped_by = None         # the signal that stopped the last train() early, if any
     if os.environ.get('DDRL_EVENT_LOG'):
       self.event_hooks.append(_event_logger(os.environ['DDRL_EVENT_LOG']))
@@ -206,6 +222,18 @@ class Trainer:
                          self.task.sample_shape, self.optimizer, self.cast_params)
     self._rollout, self._sample = fns.rollout, fns.sample
     self._data_grads, self._update = fns.data_grads, fns.update
+    self._compiled = False
+    count = getattr(self.task, 'forward_flops_per_sample', None)
+    self.forward_flops = float(count()) if count is not None else None
+    if self.forward_flops is None:
+      logging.warning('task %s has no forward_flops_per_sample(): no FLOPs or MFU metrics',
+                      self.config.task)
+    dtype = getattr(self.task, 'compute_dtype', 'float32')
+    self.peak_flops = flops_lib.devices_peak_flops(self.mesh.devices.flat, dtype)
+    logging.warning('throughput: %s FLOPs per forward of one sample; peak of the %d %s devices for %s '
+                    'compute: %s', self.forward_flops, self.mesh.size,
+                    self.mesh.devices.flat[0].device_kind, dtype,
+                    f'{self.peak_flops:.4g} FLOP/s' if self.peak_flops else 'unknown (no mfu metric)')
     if self.rewards is None and self.layout.slots.is_lead:   # replica hosts' rows are scored by their lead
       self.rewards = rewards_lib.make_reward_service(self.config.reward)
       if hasattr(self.rewards, 'check'):
@@ -319,9 +347,29 @@ class Trainer:
     if self.loader is not None:
       seen, skipped = self._records_counted()
       counts.update(data_records_seen=seen, data_records_skipped=skipped)
+    t_rollout = next(t for name, t, _ in self.events if name == 'rollout_done') - t0
     metrics.update(counts, time_rollout_and_submit=t1 - t0, time_data_grad=t2 - t1,
-                   time_reward_wait=t3 - t2, time_update=t4 - t3, time_reward_overlap=float(overlapped))
+                   time_reward_wait=t3 - t2, time_update=t4 - t3, time_reward_overlap=float(overlapped),
+                   time_rollout=t_rollout)
+    metrics.update(self._flops_metrics(metrics, t_rollout + (t2 - t1) + (t4 - t3)))
     return metrics
+
+  def _flops_metrics(self, metrics, compute_s):
+    """flops_per_iteration (model FLOPs, `ddrl_jax.flops`, with the rollout's measured nfe) and, from
+    the second iteration of the built functions on (the first compiles them), achieved_flops_per_s and
+    mfu (when the chips' peak is known).
+
+    compute_s, the time divided by, is the network's part of the iteration: the rollout (to its
+    results), the data gradient and the update. It leaves out the reward wait and the decode and
+    submission of the samples, whose work the FLOPs do not count (time_reward_wait shows the wait)."""
+    first, self._compiled = not self._compiled, True
+    if self.forward_flops is None:
+      return {}
+    total = flops_lib.iteration_flops(self.config, self.forward_flops, metrics['nfe_rollout']).total
+    out = {'flops_per_iteration': total, 'time_compute': compute_s}
+    if not first:
+      out.update(flops_lib.throughput_metrics(total, compute_s, self.peak_flops))
+    return out
 
   def _records_counted(self):
     """(records read, records skipped) over all loader shards (each shard counted once)."""
@@ -428,7 +476,8 @@ class Trainer:
           if step % c.log_every == 0 or step == c.num_iterations:
             avg = metrics_lib.average_metrics(window)
             window = []
-            bar.set_postfix(reward=f"{avg['reward_mean']:.3f}", loss=f"{avg['loss']:.4g}")
+            bar.set_postfix(reward=f"{avg['reward_mean']:.3f}", loss=f"{avg['loss']:.4g}",
+                            **_throughput_postfix(avg))
           if not bad_streak and (c.eval_every > 0 and step % c.eval_every == 0 or
                                  step == c.num_iterations):
             writer.write(step, self.evaluate(step))

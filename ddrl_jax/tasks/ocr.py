@@ -115,6 +115,19 @@ class OCRTask:
                               f'train it with python -m ddrl_jax.pretrain --config=configs/ocr_tiny.py')
     return apply_fn, params
 
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.model_cfg.dit.dtype).name
+
+  def forward_flops_per_sample(self):
+    """Model FLOPs of one apply_fn call on one (3, H, W) image: the DiT on one frame of H x W pixels with
+    text_length byte tokens (`cosmos_dit.forward_flops`), twice with classifier-free guidance (one
+    forward of 2B); the byte embedding is a lookup."""
+    _, h, w = self.sample_shape
+    _, parts = cosmos_dit.forward_flops(self.model_cfg.dit, latent=(1, h, w),
+                                        text_tokens=self.c.text_length)
+    return float(sum(parts.values())) * (1 if self.c.guidance == 1.0 else 2)
+
   def init_untrained(self, key):
     """(apply_fn, random params): what ddrl_jax.pretrain starts from."""
     graphdef, params = nnx.split(self._build(key))

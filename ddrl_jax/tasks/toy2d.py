@@ -87,6 +87,12 @@ class VelocityMLP(nnx.Module):
     return self.out(h)
 
 
+def mlp_forward_flops(width, depth, t_dim=32, cond_dim=1):
+  """Matmul FLOPs (2 per multiply-accumulate) of one `VelocityMLP` forward of one sample."""
+  dims = [2 + t_dim + cond_dim] + [width] * depth + [2]
+  return 2.0 * sum(i * o for i, o in zip(dims[:-1], dims[1:]))
+
+
 def make_apply_fn(graphdef):
   """apply_fn(params, x_t, t, cond) for an NNX graphdef (params = its nnx.State)."""
   def apply_fn(params, x_t, t, cond):
@@ -129,6 +135,7 @@ class Toy2D:
   """The toy task for the trainer. Conditions are a dummy zero vector (the mixture is unconditional)."""
 
   sample_shape = (2,)
+  compute_dtype = 'float32'
   # Its metrics (sliced Wasserstein distances) need every sample at once: a multi-process evaluation
   # gathers the (cheap, 2-D) samples instead of averaging per-process metrics.
   eval_needs_all_samples = True
@@ -169,6 +176,11 @@ class Toy2D:
     model = nnx.eval_shape(lambda: VelocityMLP(width=t.width, depth=t.depth, rngs=nnx.Rngs(key)))
     graphdef, params = nnx.split(model)
     return make_apply_fn(graphdef), params
+
+  def forward_flops_per_sample(self):
+    """Model FLOPs of one apply_fn call on one sample (`mlp_forward_flops`)."""
+    t = self.config.toy2d
+    return mlp_forward_flops(t.width, t.depth)
 
   def conditions(self, key, batch):
     del key

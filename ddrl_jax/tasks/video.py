@@ -206,6 +206,17 @@ class CosmosVideo:
     self.cond_log = []           # host copies of num_cond per conditions() call (T2V/I2V bookkeeping)
     self.i2v_frame0_err = []     # max |x0[frame 0] - gt| over I2V rollouts, per reward() call
 
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dit.dtype).name
+
+  def forward_flops_per_sample(self):
+    """Model FLOPs of one apply_fn call on one (16, T, H, W) latent: one DiT forward with
+    config.cosmos.text_length text tokens (`cosmos_dit.forward_flops`; frame replacement adds none)."""
+    _, parts = cosmos_dit.forward_flops(self.dit, latent=tuple(self.sample_shape[1:]),
+                                        text_tokens=self.c.text_length)
+    return float(sum(parts.values()))
+
   # ----------------------------------------------------------------------------------- model
   def _build_model(self, key):
     return cosmos_dit.CosmosDiT(self.dit, rngs=nnx.Rngs(key))
