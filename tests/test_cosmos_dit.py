@@ -235,3 +235,31 @@ def test_extra_learnable_positions_match_diffusers(monkeypatch):
   assert np.abs(other - ref).max() > 1e-2
   with pytest.raises(ValueError, match='extra_pos_max_size'):
     cd.LearnablePosEmbAxis(_config(extra_pos_embed=True, extra_pos_max_size=(1, 2, 2)), nnx.Rngs(0))(1, 3, 2)
+
+
+# ----------------------------------------------------------------------- the speed rewrites (issue 13)
+def test_gelu_is_the_exact_gelu_in_float64():
+  """cd.gelu (erf form) against 0.5 x (1 + erf(x / sqrt 2)) in float64, and its gradient against
+  Phi(x) + x phi(x); across the tails where the erfc form and the erf form differ most."""
+  x = np.linspace(-10, 10, 4001)
+  want = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x])
+  dwant = np.array([0.5 * (1 + math.erf(v / math.sqrt(2))) + v * math.exp(-v * v / 2) / math.sqrt(2 * math.pi)
+                    for v in x])
+  xs = jnp.asarray(x, jnp.float32)
+  np.testing.assert_allclose(np.asarray(cd.gelu(xs)), want, atol=2e-6, rtol=2e-6)
+  np.testing.assert_allclose(np.asarray(jax.vmap(jax.grad(cd.gelu))(xs)), dwant, atol=2e-6, rtol=2e-6)
+  assert cd.gelu(jnp.ones(3, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_token_linear_equals_a_dense_layer_over_every_leading_axis():
+  """TokenLinear's output and kernel/bias gradients equal an einsum over the unflattened axes."""
+  layer = cd.TokenLinear(8, 5, use_bias=True, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 3, 4, 8))
+  kernel, bias = layer.kernel[...], jax.random.normal(jax.random.key(2), (5,))
+  layer.bias[...] = bias
+  np.testing.assert_allclose(layer(x), jnp.einsum('abcd,de->abce', x, kernel) + bias, rtol=1e-6, atol=1e-6)
+  dy = jax.random.normal(jax.random.key(3), (2, 3, 4, 5))
+  gdef, state = nnx.split(layer)
+  grads = jax.grad(lambda s: jnp.sum(nnx.merge(gdef, s)(x) * dy))(state)
+  np.testing.assert_allclose(grads['kernel'][...], jnp.einsum('abcd,abce->de', x, dy), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(grads['bias'][...], dy.sum((0, 1, 2)), rtol=1e-5, atol=1e-5)

@@ -218,7 +218,8 @@ def test_per_step_gradients_equal_the_gradient_of_the_scan(what, tiny_mlp):
     # atol: ratio_max_dev (~1e-5) is the round-off between the rollout's and this program's means.
     chex.assert_trees_all_close(metrics1, metrics0, rtol=1e-6, atol=1e-6)
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads0))
-    chex.assert_trees_all_close(grads1, grads0, rtol=1e-6, atol=1e-6 * scale)
+    # rtol: float32 summation order (the dense layers contract flattened tokens, issue 13).
+    chex.assert_trees_all_close(grads1, grads0, rtol=1e-5, atol=1e-6 * scale)
     assert scale > 0
 
 

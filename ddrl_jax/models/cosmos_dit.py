@@ -188,6 +188,14 @@ def resize_nearest(mask, h, w):
   return mask[..., rows[:, None], cols[None, :]]
 
 
+def gelu(x):
+  """Exact GELU x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), torch's formula (nn.GELU()).
+
+  jax.nn.gelu(approximate=False) writes it with erfc, which XLA:CPU expands into exponentials and
+  branches; erf is a polynomial there, and the two agree to float32 round-off."""
+  return (0.5 * x * (1.0 + jax.lax.erf(x * math.sqrt(0.5)))).astype(x.dtype)
+
+
 def layer_norm(x, eps):
   """Affine-free LayerNorm over the last axis in float32."""
   x = x.astype(jnp.float32)
@@ -313,7 +321,7 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     hidden = constrain(self.layer1(x), ('act_batch', 'act_seq', 'act_mlp'))
-    return self.layer2(jax.nn.gelu(hidden, approximate=False))
+    return self.layer2(gelu(hidden))
 
 
 class Block(nnx.Module):
@@ -483,7 +491,7 @@ class CosmosDiT(nnx.Module):
     emb = self.t_embedding_norm(sinusoid)
     context = context.astype(cfg.dtype)
     if self.crossattn_proj is not None:
-      context = jax.nn.gelu(self.crossattn_proj(context), approximate=False)
+      context = gelu(self.crossattn_proj(context))
     rope = rope_cos_sin(cfg, t, h // ph, w // pw)
     extra_pos = None
     if self.extra_pos_embedder is not None:
