@@ -3,27 +3,29 @@
   --xla_cpu_experimental_ynn_fusion_type=dot
     XLA:CPU (jaxlib 0.10.2) hands dots, elementwise ops and reductions to YNNPACK fusions by default. Its
     reductions over a non-minor axis are slow: the adaLN shift/scale/gate gradients of the Cosmos DiT
-    (sums of (B, T', H'W', D) over H'W') took 5-7 ms each on (64, 1, 64, 128), and the DiT's
-    forward+backward was 1.4x slower than with YNNPACK used for dots alone (benchmarks/RESULTS.md,
-    issue 13). Ignored by the GPU and TPU backends.
+    (sums of (B, T', H'W', D) over H'W') took 5-7 ms each on (64, 1, 64, 128), and the gradient phases
+    of a DDRL iteration took 13.6 s against 8.8 s with YNNPACK used for dots alone (benchmarks/RESULTS.md,
+    issue 13). A flag of XLA's CPU backend; the GPU and TPU backends do not read it.
 
 The CLIs (`ddrl_jax.train`, `pretrain`, `aot`), the benchmarks and the tests call `apply()`. A library
 user who imports the losses into another program keeps their own XLA_FLAGS; they can call `apply()`
 before their first JAX computation for the same effect. A flag the user already set is never changed.
 """
 import os
-import shlex
+import re
 
 DEFAULTS = {'xla_cpu_experimental_ynn_fusion_type': 'dot'}
 
 
 def with_defaults(xla_flags, defaults=None):
-  """`xla_flags` (an XLA_FLAGS string) with every flag of `defaults` ({name: value}) it does not set."""
+  """`xla_flags` (an XLA_FLAGS string, kept as written) with ' --name=value' appended for every flag of
+  `defaults` ({name: value}) it does not mention."""
   defaults = DEFAULTS if defaults is None else defaults
-  words = shlex.split(xla_flags or '')
-  present = {w.lstrip('-').split('=', 1)[0] for w in words}
-  words += [f'--{name}={value}' for name, value in defaults.items() if name not in present]
-  return ' '.join(words)
+  value = xla_flags or ''
+  for name, default in defaults.items():
+    if not re.search(rf'(^|\s)--?{re.escape(name)}(=|\s|$)', value):
+      value = f'{value} --{name}={default}'.strip()
+  return value
 
 
 def backends_started():

@@ -248,7 +248,10 @@ def test_gelu_is_the_exact_gelu_in_float64():
   xs = jnp.asarray(x, jnp.float32)
   np.testing.assert_allclose(np.asarray(cd.gelu(xs)), want, atol=2e-6, rtol=2e-6)
   np.testing.assert_allclose(np.asarray(jax.vmap(jax.grad(cd.gelu))(xs)), dwant, atol=2e-6, rtol=2e-6)
-  assert cd.gelu(jnp.ones(3, jnp.bfloat16)).dtype == jnp.bfloat16
+  xb = jnp.asarray(x, jnp.bfloat16)      # bf16 in and out, computed in float32 (no cancellation)
+  want_b = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in np.asarray(xb, np.float64)])
+  assert cd.gelu(xb).dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(cd.gelu(xb), np.float64), want_b, rtol=8e-3, atol=1e-6)
 
 
 def test_token_linear_equals_a_dense_layer_over_every_leading_axis():

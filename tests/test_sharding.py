@@ -285,3 +285,22 @@ def test_sharded_ddrl_update_equals_one_device(mesh):
     np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5, atol=1e-5, err_msg=k)
   assert 'all-to-all' in texts[8] and 'all-to-all' not in texts[1]     # Ulysses
   assert 'all-gather' in texts[8] and 'reduce-scatter' in texts[8] or 'all-reduce' in texts[8]
+
+
+@pytest.mark.parametrize('axes, mergeable', [({'data': 8}, True), ({'data': 2, 'fsdp': 4}, True),
+                                             ({'data': 4, 'context': 2}, False),
+                                             ({'data': 2, 'fsdp': 2, 'context': 2}, False)])
+def test_dense_layers_flatten_tokens_only_where_the_batch_alone_is_split(axes, mergeable):
+  """TokenLinear merges (B, S) into one row axis without a plan or when only the batch is split; under
+  context parallelism (S split too) it keeps the token axes: its jaxpr then has no 2-D dot."""
+  config = cosmos2b.get_config('smoke')
+  config.mesh.data, config.mesh.fsdp, config.mesh.context, config.mesh.tensor = (
+      axes.get('data', 1), axes.get('fsdp', 1), axes.get('context', 1), 1)
+  plan = parallel.ShardingPlan.from_config(config, parallel.make_mesh(config.mesh, jax.devices()))
+  layer = cosmos_dit.TokenLinear(16, 8, rngs=nnx.Rngs(0))
+  x = jnp.ones((8, 4, 16))
+  with parallel.plan.active(plan):
+    assert parallel.plan.tokens_mergeable() == mergeable
+    jaxpr = str(jax.make_jaxpr(layer)(x))
+  assert ('f32[32,8] = dot_general' in jaxpr) == mergeable, jaxpr
+  assert parallel.plan.tokens_mergeable()           # no plan active

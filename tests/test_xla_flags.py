@@ -18,9 +18,17 @@ def test_user_flags_kept_and_defaults_appended_once():
 
 
 @pytest.mark.parametrize('given', ['--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce',
-                                   'xla_cpu_experimental_ynn_fusion_type=reduce'])
+                                   '-xla_cpu_experimental_ynn_fusion_type=reduce --xla_dump_to=/tmp/d'])
 def test_a_flag_the_user_set_is_not_changed(given):
   assert xla_flags.with_defaults(given) == given
+
+
+def test_the_users_string_is_kept_as_written():
+  """Quotes and spacing are not re-tokenized (a quoted path with a space stays one value)."""
+  given = '--xla_dump_to="/tmp/a b"  --xla_cpu_use_thunk_runtime=true'
+  assert xla_flags.with_defaults(given) == given + ' --xla_cpu_experimental_ynn_fusion_type=dot'
+  assert xla_flags.with_defaults("--xla_dump_to='unmatched") == (
+      "--xla_dump_to='unmatched --xla_cpu_experimental_ynn_fusion_type=dot")
 
 
 def test_apply_after_a_backend_started_is_an_error(monkeypatch):

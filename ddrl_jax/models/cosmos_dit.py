@@ -29,6 +29,7 @@ from flax import nnx
 from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.parallel.plan import constrain
 from ddrl_jax.parallel.plan import self_attention
+from ddrl_jax.parallel.plan import tokens_mergeable
 
 REMAT_POLICIES = {
     'none': None,
@@ -193,7 +194,8 @@ def gelu(x):
 
   jax.nn.gelu(approximate=False) writes it with erfc, which XLA:CPU expands into exponentials and
   branches; erf is a polynomial there, and the two agree to float32 round-off."""
-  return (0.5 * x * (1.0 + jax.lax.erf(x * math.sqrt(0.5)))).astype(x.dtype)
+  xf = x.astype(jnp.float32)     # in bf16, 1 + erf(x / sqrt 2) cancels for x < 0
+  return (0.5 * xf * (1.0 + jax.lax.erf(xf * math.sqrt(0.5)))).astype(x.dtype)
 
 
 def layer_norm(x, eps):
@@ -229,12 +231,15 @@ class TokenLinear(nnx.Linear):
   """nnx.Linear applied to (..., din) as one (prod(...), din) matrix: (..., din) -> (..., dout).
 
   The same result and parameters as nnx.Linear. Flattening the leading axes first makes the kernel's
-  gradient a single-axis contraction x^T dy; contracting several leading axes at once makes XLA:CPU
-  transpose both operands (and re-run the fused producers) before the matmul, about 1.7x the cost of
-  the DiT's forward+backward at width 128 (benchmarks/RESULTS.md, issue 13).
+  gradient a single-axis contraction x^T dy; contracting several leading axes at once made XLA:CPU
+  transpose both operands (and re-run the fused producers) before the matmul: the DiT's forward+backward
+  at width 128 went from 0.81 s to 0.48 s (benchmarks/RESULTS.md, issue 13). Under a plan that splits
+  the tokens (context parallelism, `parallel.plan.tokens_mergeable`) the layer runs unflattened.
   """
 
   def __call__(self, x):
+    if x.ndim <= 2 or not tokens_mergeable():   # context-parallel plans keep the token axes
+      return super().__call__(x)
     lead = x.shape[:-1]
     y = super().__call__(x.reshape(-1, x.shape[-1]))
     return y.reshape(lead + y.shape[-1:])

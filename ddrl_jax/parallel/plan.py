@@ -134,6 +134,20 @@ def current():
   return getattr(_state, 'plan', None)
 
 
+def tokens_mergeable():
+  """Whether activations (B, ..., D) may be reshaped to (B*..., D) for free under the active plan.
+
+  True without a plan, or when no mesh axis > 1 splits the token axes ('act_frames', 'act_seq'): the
+  batch alone is split, and a device's rows stay one contiguous block. Under context parallelism each
+  device holds a slice of every sample's tokens, which no sharding of the merged axis describes (XLA
+  would reshard around each layer), so models keep the token axes there."""
+  plan = current()
+  if plan is None:
+    return True
+  return not any(plan.axis_sizes.get(a, 1) > 1 for name in ('act_frames', 'act_seq')
+                 for a in plan.rules.get(name) or ())
+
+
 def constrain(x, logical):
   """with_sharding_constraint by logical names under the active plan; x unchanged without one.
 
