@@ -27,6 +27,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from ddrl_jax import metrics as metrics_lib  # pylint: disable=wrong-import-position
 
 # Small budgets: every phase, an evaluation and several checkpoints inside a few iterations.
 CONFIGS = {
@@ -69,13 +71,13 @@ def read_rows(workdir):
 
 
 def comparable(rows):
-  """{(step, 'train'|'eval'): row without time_* keys} and the list of duplicated keys."""
+  """{(step, 'train'|'eval'): row without its wall-clock metrics} and the list of duplicated keys."""
   out, dups = {}, []
   for r in rows:
     key = (r['step'], 'eval' if any(k.startswith('eval') for k in r) else 'train')
     if key in out:
       dups.append(key)
-    out[key] = {k: v for k, v in r.items() if not k.startswith('time_')}
+    out[key] = {k: v for k, v in r.items() if not metrics_lib.is_wall_clock(k)}
   return out, dups
 
 

@@ -11,6 +11,15 @@ import numpy as np
 from ddrl_jax import storage
 
 
+WALL_CLOCK_METRICS = ('achieved_flops_per_s', 'mfu')   # computed from time_* (besides time_* themselves)
+
+
+def is_wall_clock(key):
+  """Whether a metric depends on wall time (time_*, achieved_flops_per_s, mfu): it differs between two
+  otherwise identical runs, and a resumed run's first iteration (which compiles) has no throughput."""
+  return key.startswith('time_') or key in WALL_CLOCK_METRICS
+
+
 def average_metrics(per_step):
   """Averages a list of {name: scalar} dicts with clu.metrics.Average (keys may differ between dicts)."""
   acc = {}
