@@ -67,6 +67,7 @@ import numpy as np
 
 from configs import cosmos_common
 from ddrl_jax import config as config_lib
+from ddrl_jax import flops as flops_lib
 from ddrl_jax import optim
 from ddrl_jax import parallel
 from ddrl_jax import update as update_lib
@@ -194,14 +195,14 @@ def forward_flops(cfg, latent, text_tokens):
   return float(sum(cosmos_dit.forward_flops(cfg, latent, text_tokens)[1].values()))
 
 
-def iteration_flops(fwd, samples, nfe, num_trained):
-  """Analytic FLOPs of one iteration's phases for a per-sample forward `fwd`: the rollout's nfe forwards,
-  3 forward-equivalents (forward + backward) per trained step for each of the policy and data terms."""
-  rollout = samples * nfe * fwd
-  data = samples * num_trained * 3 * fwd
-  policy = samples * num_trained * 3 * fwd
-  return dict(rollout=rollout, data_grads=data, update=policy, train=data + policy,
-              iteration=rollout + data + policy)
+def iteration_flops(config, fwd, nfe):
+  """FLOPs of one iteration's phases (`ddrl_jax.flops.iteration_flops`, the count the trainer logs) for
+  a per-sample forward `fwd` and the rollout's nfe: rollout, data_grads, update (the policy term and any
+  reference forward), train and iteration."""
+  f = flops_lib.iteration_flops(config, fwd, nfe)
+  update = f.policy + f.reference
+  return dict(rollout=f.rollout, data_grads=f.data, update=update, train=f.data + update,
+              iteration=f.rollout + f.data + update)
 
 
 def _dit_inputs(cfg, batch, latent, text_tokens, seed=0):
@@ -435,10 +436,9 @@ def ocr_iteration(iterations=4):
   phases = {k: med([r[k] for r in timed]) for k in OCR_PHASES}
   phases['iteration'] = med([sum(r[k] for k in OCR_PHASES) for r in timed])
   dit = ocr_task.model_config(config.ocr).dit
-  sampler = update_lib.make_sampler(config)
-  nfe = sampler.num_steps + int(sampler.is_cosmos)
-  flops = iteration_flops(forward_flops(dit, (1,) + ocr_task.OCRTask.sample_shape[1:], config.ocr.text_length),
-                          config.batch_size * config.num_rollouts, nfe, len(config_lib.train_steps(config)))
+  nfe = flops_lib.sampler_nfe(config)
+  flops = iteration_flops(config, forward_flops(dit, (1,) + ocr_task.OCRTask.sample_shape[1:],
+                                                config.ocr.text_length), nfe)
   return dict(phases=phases, per_iteration=[{k: r[k] for k in OCR_PHASES} for r in rows],
               flops=flops, nfe=nfe, sampler=config_lib.sampler_kind(config), wall_s=wall,
               iterations=iterations, reward_mean=[r.get('reward_mean') for r in rows])
@@ -534,7 +534,7 @@ def measure_flops_check(shape):
 def measure_jax(shape, graphdef, params, fwd, peak, runs):
   """(result of run_jax_iteration, its FLOPs, median seconds per phase, row) with the table printed."""
   jx = run_jax_iteration(shape, graphdef, params, runs)
-  flops = iteration_flops(fwd, shape.samples, jx['nfe'], len(shape.trained_steps))
+  flops = iteration_flops(ddrl_config(shape), fwd, jx['nfe'])
   sec = {k: med(jx[f'{k}_s']) for k in ('rollout', 'data_grads', 'update', 'train', 'iteration')}
   print_phases(f'JAX iteration (median of {runs}; warm-up incl. compile {jx["warmup_s"]:.1f} s; nfe {jx["nfe"]}; '
                f'loss {jx["loss"]:.4g}, pg {jx["pg_loss"]:.3g}, data {jx["data_loss"]:.4g}; max |param '
