@@ -57,15 +57,21 @@ def dit_grad_fn(args):
 
 
 def op_times(fn, args_, reps, logdir):
-  """{op name: total ns over `reps` executions} from a profiler trace of fn(*args_) (compiled first)."""
+  """Profile of fn(*args_) (compiled first) over `reps` executions.
+
+  Returns ({op name: total ns}, {thread name: (busy ns, thunks executed)}, wall seconds per execution).
+  """
+  import time  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   from jax._src.lib import _profile_data  # pylint: disable=import-outside-toplevel
   jax.block_until_ready(fn(*args_))
   with jax.profiler.trace(logdir):
+    start = time.perf_counter()
     for _ in range(reps):
       jax.block_until_ready(fn(*args_))
+    wall = (time.perf_counter() - start) / reps
   path = glob.glob(os.path.join(logdir, '**', '*.xplane.pb'), recursive=True)[0]
-  totals = collections.Counter()
+  totals, threads = collections.Counter(), collections.defaultdict(lambda: [0, 0])
   for plane in _profile_data.ProfileData.from_file(path).planes:
     for line in plane.lines:
       if line.name == 'python':
@@ -73,7 +79,9 @@ def op_times(fn, args_, reps, logdir):
       for event in line.events:
         if 'Execute' not in event.name:
           totals[event.name] += event.duration_ns
-  return totals
+          threads[line.name][0] += event.duration_ns
+          threads[line.name][1] += 1
+  return totals, dict(threads), wall
 
 
 def op_sources(hlo_text):
@@ -100,13 +108,18 @@ def main(argv=None):
   args = parse_args(argv)
   fn, params, x = dit_grad_fn(args)
   with tempfile.TemporaryDirectory() as logdir:
-    totals = op_times(fn, (params, x), args.reps, logdir)
+    totals, threads, wall = op_times(fn, (params, x), args.reps, logdir)
   sources = op_sources(fn.lower(params, x).compile().as_text())
   by_kind, by_source = group(totals, sources)
   ms = lambda ns: ns / 1e6 / args.reps
   print(f'DiT D{args.width} x {args.blocks} blocks, batch {args.batch}, latent {args.latent}, remat '
         f'{args.remat}; XLA_FLAGS={os.environ["XLA_FLAGS"]!r}')
-  print(f'CPU time per forward+backward (both threads): {ms(sum(totals.values())):.1f} ms')
+  print(f'CPU time per forward+backward (both threads): {ms(sum(totals.values())):.1f} ms; wall '
+        f'{wall * 1e3:.1f} ms under the profiler')
+  print('busy time per XLA thread (a thread busy for much less than the wall waits on the other):')
+  for name, (ns, count) in sorted(threads.items(), key=lambda kv: -kv[1][0]):
+    if ns > 0.01 * wall * 1e9 * args.reps:
+      print(f'  {ms(ns):8.1f} ms in {count // args.reps} thunks  {name}')
   print('\nby kind of op:')
   for kind, ns in by_kind.most_common(args.top):
     print(f'  {ms(ns):8.2f} ms  {kind}')
