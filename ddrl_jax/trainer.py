@@ -45,7 +45,8 @@ from ddrl_jax.parallel import rules as rules_lib
 from ddrl_jax.update import (  # pylint: disable=unused-import
     TrainState, RolloutBatch, flat_rollout_batch, group_rollout_batch, DataBatch,
     compute_advantages, make_sampler, init_train_state, make_update_fns, combine_metrics,
-    make_train_step, jit_train_step, make_sample_fn, StepFns, uses_data_grads, build_step_fns, place_data)
+    make_train_step, jit_train_step, make_sample_fn, StepFns, uses_data_grads, build_step_fns, place_data,
+    rollout_params)
 
 
 def _event_logger(path):
@@ -275,7 +276,7 @@ class Trainer:
       prompts = list(records['prompt'])
     local_slots = lay.slots_from_groups(cond)
     slots = hosts.assemble(local_slots, self.plan.batch(), b * n)
-    traj = jax.block_until_ready(self._rollout(self.state.params, slots, k_roll))
+    traj = jax.block_until_ready(self._rollout(rollout_params(self.state), slots, k_roll))
     self.event('rollout_done')
     final = traj.x0[:, 0]          # a computation on global arrays: every process runs it
     if lay.slots.is_lead:

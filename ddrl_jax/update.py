@@ -15,6 +15,7 @@ from ddrl_jax import optim
 from ddrl_jax import parallel
 from ddrl_jax import rl as rl_lib
 from ddrl_jax import sampling
+from ddrl_jax.rl import nft
 
 
 class TrainState(NamedTuple):
@@ -22,7 +23,8 @@ class TrainState(NamedTuple):
   params: Any          # fp32 master parameters
   opt_state: Any
   ema_params: Any      # power EMA of params (None if disabled)
-  ref_params: Any      # frozen reference (flow_grpo with kl_beta > 0 only; None otherwise)
+  ref_params: Any      # frozen reference (flow_grpo / diffusion_nft with kl_beta > 0; None otherwise)
+  old_params: Any = None  # diffusion_nft's old policy (samples the rollouts; EMA of params); else None
 
 
 class RolloutBatch(NamedTuple):
@@ -60,17 +62,25 @@ class DataBatch(NamedTuple):
 
 
 def compute_advantages(rewards, config):
-  """(B, N, R) rewards -> (B, N) advantages by config.rl's transform and config.reward's combination."""
+  """(B, N, R) rewards -> (B, N) advantages, in cosmos-rl's order (ddrl_jax/rl/advantages.py): each
+  reward normalized by config.rl.adv_normalization, combined by config.reward.combine, then
+  config.rl.adv_transform, the clamp at config.rl.adv_clip and config.rl.failed_advantage.
+
+  Every group is taken as its own prompt (the trainer draws one condition per group), so FlowGRPO's
+  per-prompt statistics are per-group statistics here."""
   b, n, _ = rewards.shape
   rl = config.rl
   if rl.adv_transform == 'exact':
-    single = lambda r: rl_lib.exact_tilt_advantages(r, n, rl.exact_beta, rl.exact_log_partition)
+    per_reward = lambda r: rl_lib.exact_tilt_advantages(r, n, rl.exact_beta, rl.exact_log_partition)
+    transform, clip = None, None
   else:
-    single = lambda r: rl_lib.group_advantages(r, n, clip=rl.adv_clip, eps=rl.adv_eps,
-                                               transform=rl.adv_transform or None)
+    per_reward = lambda r: rl_lib.normalized_rewards(r, n, rl.adv_normalization, eps=rl.adv_eps,
+                                                     global_std=rl.adv_global_std)
+    transform, clip = rl.adv_transform or None, rl.adv_clip
   weights = list(config.reward.fns.values())
-  adv = rl_lib.multi_reward_advantages(rewards.reshape(b * n, -1), weights, single,
-                                       config.reward.combine)
+  adv = rl_lib.multi_reward_advantages(rewards.reshape(b * n, -1), weights, per_reward,
+                                       config.reward.combine, transform=transform, clip=clip,
+                                       failed=rl.failed_advantage)
   return adv.reshape(b, n)
 
 
@@ -88,7 +98,13 @@ def init_train_state(params, config, optimizer):
   return TrainState(
       step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
       ema_params=copy(params) if config.optim.ema_power_s else None,
-      ref_params=copy(params) if algo.uses_reference and config.rl.kl_beta > 0 else None)
+      ref_params=copy(params) if algo.uses_reference and config.rl.kl_beta > 0 else None,
+      old_params=copy(params) if algo.objective == 'nft' else None)
+
+
+def rollout_params(state):
+  """The parameters that sample the rollouts: diffusion_nft's old policy, else the trained ones."""
+  return state.params if state.old_params is None else state.old_params
 
 
 def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
@@ -137,8 +153,14 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
     traj, rewards, cond, steps, k_loss = prepare(rollout, key)
     advantages = compute_advantages(rewards, config)
     ref = None if state.ref_params is None else cast_params(state.ref_params)
-    _, metrics, grads = algo.loss_and_grad(apply_fn, cast_params(state.params), ref, sampler, traj,
-                                           advantages, steps, rollout.cond, None, k_loss, rl)
+    if algo.objective == 'nft':
+      _, metrics, grads = nft.nft_loss_and_grad(
+          apply_fn, cast_params(state.params), cast_params(state.old_params), ref, traj, advantages,
+          steps, rollout.cond, k_loss, beta=rl.nft_beta, adv_clip_max=rl.adv_clip, kl_beta=rl.kl_beta,
+          loss_scale=rl.loss_scale)
+    else:
+      _, metrics, grads = algo.loss_and_grad(apply_fn, cast_params(state.params), ref, sampler, traj,
+                                             advantages, steps, rollout.cond, None, k_loss, rl)
     if grads_data is not None:
       grads = jax.tree.map(jnp.add, grads, grads_data)
     grads, nonfinite = optim.zero_nonfinite(grads)
@@ -149,6 +171,11 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
       beta = optim.power_ema_beta(state.step, gamma)
       ema = optim.ema_update(ema, params, beta)
       metrics['ema_beta'] = beta
+    old = state.old_params
+    if old is not None:
+      decay = nft.old_decay(state.step + 1, rl.nft_old_decay)
+      old = nft.update_old_params(old, params, decay)
+      metrics['nft_old_decay'] = decay
     failed = ~jnp.isfinite(rewards).all(-1)   # any non-finite reward = failed sample (advantage 0)
     valid = jnp.where(failed[..., None], 0.0, rewards)
     num_valid = jnp.maximum((~failed).sum(), 1)
@@ -162,7 +189,7 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
         grad_norm=optax.tree.norm(grads), nonfinite_grads=nonfinite, params_finite=params_finite,
         learning_rate=lr_schedule(state.step), nfe_rollout=traj.nfe.mean())
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema,
-                           ref_params=state.ref_params)
+                           ref_params=state.ref_params, old_params=old)
     return new_state, metrics
 
   return data_grads, update

@@ -63,7 +63,8 @@ def _public_loss(config, apply_fn, sampler, traj, advantages, steps, cond, data,
   return lambda p: rl_lib.flow_grpo_loss(apply_fn, p, ref_params, sampler, traj, advantages, steps, cond,
                                          key, kl_beta=r.kl_beta, clip_range=r.clip_range,
                                          log_ratio_form=r.log_ratio or 'gaussian',
-                                         loss_scale=r.loss_scale)
+                                         loss_scale=r.loss_scale, kl_form=r.kl_form,
+                                         drop_zero_advantages=r.drop_zero_advantages)
 
 
 @pytest.mark.parametrize('preset', ['ddrl', 'flow_grpo'])
@@ -83,7 +84,8 @@ def test_trainer_update_equals_value_and_grad_of_the_public_loss(preset):
   steps = jnp.broadcast_to(jnp.asarray(config_lib.train_steps(c), jnp.int32),
                            (b, n, len(config_lib.train_steps(c))))
   advantages = rl_lib.group_advantages(rewards.reshape(-1), group_size=n, clip=c.rl.adv_clip,
-                                       eps=c.rl.adv_eps).reshape(b, n)
+                                       eps=c.rl.adv_eps, normalization=c.rl.adv_normalization,
+                                       global_std=c.rl.adv_global_std).reshape(b, n)
   ref_params = jax.tree.map(lambda x: x + 0.05 * jnp.sign(x), params)   # a reference != params: KL > 0
   loss_fn = _public_loss(c, apply_fn, sampler, traj, advantages, steps, cond, data, ref_params, k_loss)
   (want_loss, want_metrics), want_grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

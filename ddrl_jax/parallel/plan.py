@@ -83,7 +83,8 @@ class ShardingPlan:
                                                    self.max_replicated_fraction)
     return rules_lib.sharding_report(abstract_params, shardings)
 
-  def state(self, abstract_state, optimizer, param_fields=('params', 'ema_params', 'ref_params'),
+  def state(self, abstract_state, optimizer,
+            param_fields=('params', 'ema_params', 'ref_params', 'old_params'),
             opt_field='opt_state'):
     """Shardings of a NamedTuple train state: `param_fields` follow the parameter rules, `opt_field` the
     parameters it tracks (optax.tree_map_params; its counters are replicated), everything else replicated.

@@ -8,13 +8,15 @@ arguments:
   returns: one score per sample; NaN marks a sample the reward could not score.
 
 Built-in names resolve lazily to ``module:factory`` so a process that never scores OCR never imports
-tesserocr. `register` adds a factory at run time; reward workers are separate processes, so a custom
-reward must live in a module listed in ``config.reward.imports`` (imported by every worker).
+tesserocr or rapidocr_onnxruntime. `register` adds a factory at run time; reward workers are separate
+processes, so a custom reward must live in a module listed in ``config.reward.imports`` (imported by
+every worker).
 """
 import importlib
 
 BUILTIN = {
     'ocr': 'ddrl_jax.rewards.ocr:OCRReward',
+    'ocr_rapid': 'ddrl_jax.rewards.ocr:RapidOCRReward',   # the same score read by RapidOCR (PP-OCRv4)
     'linear': 'ddrl_jax.rewards.basic:LinearReward',
     'temporal_smoothness': 'ddrl_jax.rewards.basic:TemporalSmoothness',
     'mean_intensity': 'ddrl_jax.rewards.basic:MeanIntensity',

@@ -1,8 +1,13 @@
-"""Pure-JAX losses for RL post-training of diffusion models: DDRL, FlowGRPO, DanceGRPO, DDPO."""
+"""Pure-JAX losses for RL post-training of diffusion models: DDRL, FlowGRPO, DanceGRPO, DDPO, DiffusionNFT."""
+from ddrl_jax.rl.advantages import cosmos_zscores
+from ddrl_jax.rl.advantages import dance_grpo_zscores
 from ddrl_jax.rl.advantages import exact_tilt_advantages
 from ddrl_jax.rl.advantages import fill_failed
+from ddrl_jax.rl.advantages import finish_advantages
+from ddrl_jax.rl.advantages import flow_grpo_zscores
 from ddrl_jax.rl.advantages import group_advantages
 from ddrl_jax.rl.advantages import multi_reward_advantages
+from ddrl_jax.rl.advantages import normalized_rewards
 from ddrl_jax.rl.algorithms import ALGORITHMS
 from ddrl_jax.rl.algorithms import Algorithm
 from ddrl_jax.rl.algorithms import DataTerm
@@ -12,13 +17,18 @@ from ddrl_jax.rl.algorithms import dance_grpo_loss
 from ddrl_jax.rl.algorithms import ddpo_loss
 from ddrl_jax.rl.algorithms import ddrl_loss
 from ddrl_jax.rl.algorithms import flow_grpo_loss
+from ddrl_jax.rl.algorithms import flow_grpo_std_dev
 from ddrl_jax.rl.algorithms import get_algorithm
 from ddrl_jax.rl.algorithms import repeat_groups
 from ddrl_jax.rl.algorithms import rl_loss
 from ddrl_jax.rl.algorithms import rl_loss_and_grad
+from ddrl_jax.rl.algorithms import step_kl
 from ddrl_jax.rl.diffusion_loss import cosmos_loss_weight
 from ddrl_jax.rl.diffusion_loss import drop_condition
 from ddrl_jax.rl.diffusion_loss import velocity_loss
 from ddrl_jax.rl.policy import clipped_policy_loss
 from ddrl_jax.rl.policy import gaussian_log_prob
 from ddrl_jax.rl.policy import log_ratio
+from ddrl_jax.rl.nft import nft_loss
+from ddrl_jax.rl.nft import nft_loss_and_grad
+from ddrl_jax.rl.nft import optimality_weights

@@ -1,6 +1,33 @@
-"""Group-relative advantages. Rewards arrive flat, (B*N,), with the N rollouts of a group consecutive."""
+"""Group-relative advantages. Rewards arrive flat, (B*N,), with the N rollouts of a group consecutive.
+
+An advantage is built in three stages, in cosmos-rl's order (cosmos_rl/policy/trainer/wfm_trainer.py,
+`rl_training_step`: the mean of the per-reward advantages, then `exp_reward`, then the clamp):
+
+  1. normalize each reward within its group ('cosmos', 'flow_grpo' or 'dance_grpo', below);
+  2. with several rewards, average the normalized rewards (`multi_reward_advantages`);
+  3. transform (None or 'neg_exp': lambda(A) = -exp(-A)), clamp to [-clip, clip], and give failed samples
+     their advantage (`finish_advantages`).
+
+The normalizations, each as its cited code computes it:
+  'cosmos'     cosmos-rl (cosmos_rl/policy/model/wfm/models/t2v_model.py, `_sync_rewards_across_rollouts`):
+               failed rewards replaced by the group's valid mean and kept in the statistics; group mean,
+               torch's unbiased std, A = (r - mean) / (std + eps), eps = 1e-4.
+  'flow_grpo'  FlowGRPO (yifan123/flow_grpo flow_grpo/stat_tracking.py, `PerPromptStatTracker.update`):
+               the mean per prompt; the std (numpy's population std) either of the whole batch
+               (`global_std=True`, the `general_ocr_sd3` config in config/grpo.py) or per prompt; + 1e-4.
+  'dance_grpo' DanceGRPO (XueZeyue/DanceGRPO fastvideo/train_grpo_flux.py, `train_one_step` with
+               `use_group`): group mean, torch's unbiased std, + 1e-8.
+FlowGRPO and DanceGRPO have no failed rewards; here a failed sample is left out of their statistics.
+Where the reference arithmetic and this module differ, the function's docstring says how.
+"""
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
+
+NORMALIZATIONS = ('cosmos', 'flow_grpo', 'dance_grpo')
+TRANSFORMS = (None, 'neg_exp')
+# How a failed sample's advantage is set: 'zero' gives A = 0 after the transform and clamp (the sample
+# does not move the policy); 'transformed_zero' gives it lambda(0) (cosmos-rl: -exp(0) = -1 with neg_exp).
+FAILED_MODES = ('zero', 'transformed_zero')
 
 
 def _grouped(rewards, group_size):
@@ -23,34 +50,174 @@ def fill_failed(rewards, group_size):
   return jnp.where(valid, r, mean), valid
 
 
-def group_advantages(rewards, group_size, *, clip=5.0, eps=1e-4, transform=None):
-  """GRPO advantages as in cosmos-rl: A = (r - mean_g) / (std_g + eps), unbiased std, then clamp.
+def cosmos_zscores(rewards, group_size, eps=1e-4):
+  """cosmos-rl's per-group z-score (t2v_model.py, `_sync_rewards_across_rollouts`).
 
-  Failed samples (NaN or infinite reward) are filled with the group's valid mean, so they get advantage
-  exactly 0 and do not move the group's mean; count them with `(~jnp.isfinite(rewards)).sum()`.
+  Failed rewards are filled with the group's valid mean and stay in the std (which they shrink), as
+  cosmos-rl fills them before its `gather_rewards.std()`. cosmos-rl's std runs over each reward gathered
+  once per context-parallel rank (N * cp entries); here it runs over the N rollouts.
 
   Args:
-    rewards: (B*N,) rewards, groups consecutive.
+    rewards: (B*N,) rewards, groups consecutive; NaN/Inf = failed.
     group_size: N (>= 2).
-    clip: clamp |A| <= clip after the transform (None: no clamp).
     eps: added to the std.
-    transform: None, or 'neg_exp' for the paper's lambda(A) = -exp(-A) (cosmos-rl `exp_reward`).
   Returns:
-    (B*N,) float32 advantages.
+    (B*N,) float32 z-scores, exactly 0 at failed samples.
   """
   if group_size < 2:
     raise ValueError(f'group_size must be >= 2 for a group std, got {group_size}')
   r, valid = fill_failed(rewards, group_size)
   mean = r.mean(axis=1, keepdims=True)
   std = r.std(axis=1, ddof=1, keepdims=True)
-  adv = (r - mean) / (std + eps)
+  return jnp.where(valid, (r - mean) / (std + eps), 0.0).reshape(-1)
+
+
+def _constant_groups(r, valid, same):
+  """(B, 1) True where every valid reward of the prompt (the groups `same` marks) is equal."""
+  hi = jnp.where(valid, r, -jnp.inf).max(axis=1)
+  lo = jnp.where(valid, r, jnp.inf).min(axis=1)
+  hi = jnp.where(same, hi[None, :], -jnp.inf).max(axis=1)
+  lo = jnp.where(same, lo[None, :], jnp.inf).min(axis=1)
+  return (hi <= lo)[:, None]
+
+
+def flow_grpo_zscores(rewards, group_size, eps=1e-4, global_std=True, prompt_ids=None):
+  """FlowGRPO's per-prompt stat tracker (flow_grpo/stat_tracking.py, `PerPromptStatTracker.update`).
+
+  A = (r - mean_prompt) / (std + eps), with numpy's population std (ddof 0) of the whole batch
+  (global_std=True, as FlowGRPO's `general_ocr_sd3` and the base config set `sample.global_std`) or of
+  the prompt's samples. FlowGRPO groups by prompt string over the gathered batch; here each group is
+  one prompt unless `prompt_ids` says that several groups share one (their samples then share the mean
+  and the per-prompt std, as in FlowGRPO).
+
+  Differences: FlowGRPO has no failed rewards; a failed sample is left out of every statistic and gets
+  0. FlowGRPO computes in float64; a prompt whose valid rewards are all equal gets exactly 0 here, as
+  FlowGRPO's float64 mean gives it (float32 round-off would leave ~1e-8 / eps).
+
+  Args:
+    rewards: (B*N,) rewards, groups consecutive; NaN/Inf = failed.
+    group_size: N.
+    eps: added to the std (FlowGRPO: 1e-4).
+    global_std: the std of all valid rewards in the batch (True) or of the prompt's (False).
+    prompt_ids: optional (B,) integer id of each group's prompt; None: every group its own prompt.
+  Returns:
+    (B*N,) float32 z-scores, 0 at failed samples.
+  """
+  r = _grouped(rewards, group_size)
+  b = r.shape[0]
+  valid = jnp.isfinite(r)
+  if prompt_ids is None:
+    same = jnp.eye(b, dtype=bool)
+  else:
+    ids = jnp.asarray(prompt_ids).reshape(-1)
+    if ids.shape[0] != b:
+      raise ValueError(f'prompt_ids must be (B,) = ({b},), one id per group; got {ids.shape}')
+    same = ids[:, None] == ids[None, :]
+  # Sums over the groups of each prompt, written elementwise (a float32 matmul may run at reduced
+  # precision on accelerators).
+  per_prompt = lambda per_group: jnp.where(same, per_group[None, :], 0.0).sum(axis=1)
+  r0 = jnp.where(valid, r, 0.0)
+  count = per_prompt(valid.sum(axis=1).astype(jnp.float32))          # (B,) valid samples per prompt
+  mean = (per_prompt(r0.sum(axis=1)) / jnp.maximum(count, 1.0))[:, None]
+  dev = jnp.where(valid & ~_constant_groups(r, valid, same), r - mean, 0.0)
+  if global_std:
+    n_all = jnp.maximum(valid.sum(), 1)
+    batch_mean = r0.sum() / n_all
+    std = jnp.sqrt(jnp.where(valid, (r - batch_mean)**2, 0.0).sum() / n_all)
+  else:
+    std = jnp.sqrt(per_prompt((dev**2).sum(axis=1)) / jnp.maximum(count, 1.0))[:, None]
+  return (dev / (std + eps)).reshape(-1)
+
+
+def dance_grpo_zscores(rewards, group_size, eps=1e-8):
+  """DanceGRPO's group advantage (fastvideo/train_grpo_flux.py, `train_one_step`, `use_group`).
+
+  A = (r - mean_g) / (std_g + eps) with torch's unbiased std over the group and eps = 1e-8.
+
+  Differences: DanceGRPO has no failed rewards; a failed sample is left out of the statistics and gets
+  0. A group whose valid rewards are all equal gets exactly 0 here; in DanceGRPO's float32 arithmetic
+  the mean of equal values can be off by an ulp, and eps = 1e-8 turns that into O(1) advantages of one
+  sign (e.g. 12 copies of 0.31 give A = 0.72 for every sample in numpy float32).
+
+  Args:
+    rewards: (B*N,) rewards, groups consecutive; NaN/Inf = failed.
+    group_size: N (>= 2).
+    eps: added to the std (DanceGRPO: 1e-8).
+  Returns:
+    (B*N,) float32 z-scores, 0 at failed samples.
+  """
+  if group_size < 2:
+    raise ValueError(f'group_size must be >= 2 for a group std, got {group_size}')
+  r = _grouped(rewards, group_size)
+  valid = jnp.isfinite(r)
+  count = valid.sum(axis=1, keepdims=True).astype(jnp.float32)
+  mean = jnp.where(valid, r, 0.0).sum(axis=1, keepdims=True) / jnp.maximum(count, 1.0)
+  constant = _constant_groups(r, valid, jnp.eye(r.shape[0], dtype=bool))
+  dev = jnp.where(valid & ~constant, r - mean, 0.0)
+  std = jnp.sqrt((dev**2).sum(axis=1, keepdims=True) / jnp.maximum(count - 1.0, 1.0))
+  return (dev / (std + eps)).reshape(-1)
+
+
+def normalized_rewards(rewards, group_size, normalization='cosmos', *, eps=1e-4, global_std=True,
+                       prompt_ids=None):
+  """Stage 1: (B*N,) rewards -> (B*N,) z-scores by `normalization` (one of NORMALIZATIONS), 0 at failed
+  samples. eps is the normalization's std offset; global_std and prompt_ids apply to 'flow_grpo' only."""
+  if normalization == 'cosmos':
+    return cosmos_zscores(rewards, group_size, eps)
+  if normalization == 'flow_grpo':
+    return flow_grpo_zscores(rewards, group_size, eps, global_std, prompt_ids)
+  if normalization == 'dance_grpo':
+    return dance_grpo_zscores(rewards, group_size, eps)
+  raise ValueError(f'unknown advantage normalization {normalization!r}; known: {NORMALIZATIONS}')
+
+
+def finish_advantages(z, valid, *, transform=None, clip=5.0, failed='zero'):
+  """Stage 3: transform, clamp and the failed-sample rule, in cosmos-rl's order (wfm_trainer.py,
+  `rl_training_step`: `exp_reward`, then the clamp to [adv_clip_min, adv_clip_max]).
+
+  Args:
+    z: (...) normalized (and, for several rewards, averaged) rewards.
+    valid: (...) bool, False for failed samples.
+    transform: None or 'neg_exp' (lambda(A) = -exp(-A), cosmos-rl `exp_reward`).
+    clip: clamp |A| <= clip after the transform (None: no clamp).
+    failed: 'zero' (A = 0: a failed sample does not move the policy; the default here) or
+      'transformed_zero' (cosmos-rl: a failed sample enters the transform with A = 0, so neg_exp gives it
+      -1 and it is pushed down like a below-average sample).
+  Returns:
+    float32 advantages shaped like z.
+  """
+  if transform not in TRANSFORMS:
+    raise ValueError(f"unknown advantage transform {transform!r}; known: None, 'neg_exp'")
+  if failed not in FAILED_MODES:
+    raise ValueError(f'unknown failed-sample rule {failed!r}; known: {FAILED_MODES}')
+  adv = jnp.where(valid, jnp.asarray(z, jnp.float32), 0.0)
   if transform == 'neg_exp':
     adv = -jnp.exp(-adv)
-  elif transform is not None:
-    raise ValueError(f"unknown advantage transform {transform!r}; known: None, 'neg_exp'")
   if clip is not None:
     adv = jnp.clip(adv, -clip, clip)
-  return jnp.where(valid, adv, 0.0).reshape(-1)
+  return jnp.where(valid, adv, 0.0) if failed == 'zero' else adv
+
+
+def group_advantages(rewards, group_size, *, clip=5.0, eps=1e-4, transform=None, normalization='cosmos',
+                     global_std=True, failed='zero', prompt_ids=None):
+  """GRPO advantages of one reward: `normalized_rewards`, then `finish_advantages`.
+
+  The defaults are cosmos-rl's: A = clamp((r - mean_g) / (std_g + 1e-4)), unbiased std, failed samples
+  filled with the group's valid mean (they do not move it) and given A = 0; count them with
+  `(~jnp.isfinite(rewards)).sum()`.
+
+  Args:
+    rewards: (B*N,) rewards, groups consecutive.
+    group_size: N (>= 2).
+    clip, transform, failed: as `finish_advantages`.
+    eps, normalization, global_std, prompt_ids: as `normalized_rewards`.
+  Returns:
+    (B*N,) float32 advantages.
+  """
+  z = normalized_rewards(rewards, group_size, normalization, eps=eps, global_std=global_std,
+                         prompt_ids=prompt_ids)
+  valid = jnp.isfinite(jnp.asarray(rewards, jnp.float32))
+  return finish_advantages(z, valid, transform=transform, clip=clip, failed=failed)
 
 
 def exact_tilt_advantages(rewards, group_size, beta, log_partition=None):
@@ -79,16 +246,25 @@ def exact_tilt_advantages(rewards, group_size, beta, log_partition=None):
   return jnp.where(valid, adv, 0.0).reshape(-1)
 
 
-def multi_reward_advantages(rewards, weights, advantage_fn, combine='advantage_mean'):
-  """Advantages of several rewards per sample.
+def multi_reward_advantages(rewards, weights, advantage_fn, combine='advantage_mean', *, transform=None,
+                            clip=None, failed='zero'):
+  """Advantages of several rewards per sample, in cosmos-rl's order.
+
+  cosmos-rl (wfm_trainer.py, `rl_training_step`) averages the per-reward z-scores, then applies
+  `exp_reward`, then the clamp. So does 'advantage_mean' here, with `advantage_fn` the per-reward
+  normalization (e.g. `normalized_rewards` with its options bound) and the transform and clamp given
+  here. Two differences: the mean is weighted, sum_i w_i A_i / sum_i w_i (cosmos-rl's is unweighted: the
+  same for equal weights); and a sample with any failed reward is failed for every reward (cosmos-rl
+  fills each reward's failures separately), so all rewards see the same valid set.
 
   Args:
-    rewards: (B*N, R) rewards, groups consecutive; a sample with any non-finite reward is failed for
-      every reward (advantage 0), so all rewards see the same valid set.
+    rewards: (B*N, R) rewards, groups consecutive; NaN/Inf = failed.
     weights: (R,) positive weights.
-    advantage_fn: (B*N,) rewards -> (B*N,) advantages (e.g. `group_advantages` with its options bound).
-    combine: 'advantage_mean' (cosmos-rl: one advantage per reward, then sum_i w_i A_i / sum_i w_i) or
-      'weighted_sum' (the advantage of sum_i w_i r_i).
+    advantage_fn: (B*N,) rewards -> (B*N,) normalized rewards, 0 at failed samples. (A function that
+      transforms or clamps itself, such as `exact_tilt_advantages`, is used with transform=None.)
+    combine: 'advantage_mean' (normalize each reward, then the weighted mean) or 'weighted_sum' (normalize
+      sum_i w_i r_i).
+    transform, clip, failed: applied after the combination, as in `finish_advantages`.
   Returns:
     (B*N,) float32 advantages.
   """
@@ -96,11 +272,13 @@ def multi_reward_advantages(rewards, weights, advantage_fn, combine='advantage_m
   weights = jnp.asarray(weights, jnp.float32)
   if rewards.ndim != 2 or rewards.shape[1] != weights.shape[0]:
     raise ValueError(f'rewards must be (B*N, R) with R = {weights.shape[0]} weights; got {rewards.shape}')
-  failed = ~jnp.isfinite(rewards).all(axis=1, keepdims=True)
-  rewards = jnp.where(failed, jnp.nan, rewards)
+  valid = jnp.isfinite(rewards).all(axis=1)
+  rewards = jnp.where(valid[:, None], rewards, jnp.nan)
   if combine == 'weighted_sum':
-    return advantage_fn(rewards @ weights)
-  if combine != 'advantage_mean':
+    z = advantage_fn((rewards * weights).sum(axis=1))
+  elif combine == 'advantage_mean':
+    per_reward = jnp.stack([advantage_fn(rewards[:, i]) for i in range(rewards.shape[1])], axis=1)
+    z = (per_reward * weights).sum(axis=1) / weights.sum()
+  else:
     raise ValueError(f"combine must be 'advantage_mean' or 'weighted_sum', got {combine!r}")
-  per_reward = jnp.stack([advantage_fn(rewards[:, i]) for i in range(rewards.shape[1])], axis=1)
-  return per_reward @ weights / weights.sum()
+  return finish_advantages(z, valid, transform=transform, clip=clip, failed=failed)

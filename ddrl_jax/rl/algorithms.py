@@ -15,8 +15,16 @@ Two forms of the same objective:
     uses this form; gradients are taken with respect to the `params` given (e.g. a bf16 compute copy) and
     accumulated in float32.
 
-    L = loss_scale * mean_k [ L_pg,k + kl_beta * KL_k + data_beta * L_data,k ]      (full)
-    L = loss_scale * ( mean_k [ L_pg,k ] + data_beta * L_data at one random trained step )   (reduced)
+    L = loss_scale * mean_k [ L_pg,k + kl_beta * KL_k + data_beta * L_data,k ]          (data steps 'full')
+    L = loss_scale * ( mean_k [ L_pg,k + kl_beta * KL_k ] + data_beta / K * L_data,k=0 )   ('first')
+    L = loss_scale * ( mean_k [ L_pg,k + kl_beta * KL_k ] + data_beta * L_data at one random trained
+        step per rollout )                                                               ('random_step')
+
+KL_k has two forms (`step_kl`): 'exact', the KL of the two equal-variance Gaussian steps,
+mean (mu_theta - mu_ref)^2 / (2 std^2) with the transition std; and 'flow_grpo', FlowGRPO's code
+(yifan123/flow_grpo scripts/train_sd3.py, the `kl_loss` of its training loop), which divides by
+2 std_dev_t^2 where std_dev_t is the std without its sqrt(|dt|) factor (`flow_grpo_std_dev`): the exact
+KL times |dt|, i.e. 1/|dt| (10x at 10 uniform steps) weaker at the same kl_beta.
 """
 import dataclasses
 import functools
@@ -30,6 +38,18 @@ from ddrl_jax.rl import policy
 from ddrl_jax.sampling import samplers
 
 
+# How the data term picks its steps; 'reduced' is the name 'random_step' had before 'first' existed.
+DATA_STEP_MODES = ('full', 'first', 'random_step', 'reduced')
+KL_FORMS = ('exact', 'flow_grpo')
+
+
+def data_term_steps(mode, num_k):
+  """Trained steps per rollout at which the data term runs: K for 'full', 1 otherwise."""
+  if mode not in DATA_STEP_MODES:
+    raise ValueError(f'data loss steps must be one of {DATA_STEP_MODES}, got {mode!r}')
+  return num_k if mode == 'full' else 1
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=['x0', 'cond'],
                    meta_fields=['beta', 'steps', 'noise', 'cond_dropout', 'weighting'])
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +59,11 @@ class DataTerm:
   x0: (B, *S) clean data paired with each group's condition (shared by the group's N rollouts).
   cond: pytree of (B, ...) conditions of that data.
   beta: data_beta, its weight.
-  steps: 'full' (at every trained step: 2N|T| calls per condition) or 'reduced' (once per rollout, at one
-    random trained step: N(1 + |T|) calls).
+  steps: 'full' (at every trained step: 2N|T| calls per condition); 'first' (cosmos-rl's
+    `data_on_first_only`, cosmos_rl/policy/trainer/wfm_trainer.py `rl_training_step`: only at the first
+    trained step, and since cosmos-rl divides every step's loss by the K trained steps, with weight
+    beta / K: N(1 + |T|) calls); 'random_step' (at one random trained step per rollout, weight beta, the
+    paper's "randomly sample t": N(1 + |T|) calls). 'reduced' is an alias of 'random_step'.
   noise: 'rollout' (the rollout's initial noise, cosmos-rl's use_rl_sigma_and_noise) or 'fresh'.
   cond_dropout: probability of the null (zero) condition per sample.
   weighting: 'cosmos' (t^2 + (1-t)^2), 'path_kl' (the sampler's exact per-step KL weight) or 'none'.
@@ -54,8 +77,8 @@ class DataTerm:
   weighting: str = 'cosmos'
 
   def __post_init__(self):
-    if self.steps not in ('full', 'reduced'):
-      raise ValueError(f"data loss steps must be 'full' or 'reduced', got {self.steps!r}")
+    if self.steps not in DATA_STEP_MODES:
+      raise ValueError(f'data loss steps must be one of {DATA_STEP_MODES}, got {self.steps!r}')
     if self.noise not in ('rollout', 'fresh'):
       raise ValueError(f"data loss noise must be 'rollout' or 'fresh', got {self.noise!r}")
     if self.weighting not in diffusion_loss.WEIGHTINGS:
@@ -101,11 +124,11 @@ def _accumulate(acc, grads, scale=1.0):
 
 
 def data_loss_and_grad(apply_fn, params, sampler, traj, steps, data, key):
-  """`data_loss` and its gradient, accumulated one trained step at a time ('full'; 'reduced' has one
-  term). Returns (loss, float32 grads with the structure of params)."""
+  """`data_loss` and its gradient, accumulated one trained step at a time ('full'; 'first' and
+  'random_step' have one term). Returns (loss, float32 grads with the structure of params)."""
   num_k = steps.shape[-1]
-  k_steps, k_reduced = jax.random.split(key)
-  if data.steps == 'reduced':
+  k_steps, _ = jax.random.split(key)
+  if data.steps != 'full':
     value, grads = jax.value_and_grad(
         lambda p: data_loss(apply_fn, p, sampler, traj, steps, data, key))(params)
     return value, _accumulate(_f32_zeros(params), grads)
@@ -128,11 +151,19 @@ def data_loss(apply_fn, params, sampler, traj, steps, data, key):
   The same value (and random draws) as the data part of `rl_loss(..., data=data, key=key)`, so a
   trainer can take its gradient while rewards are still pending and add the policy gradient later.
   Args: traj (B, N, T, ...) Trajectory, steps (B, N, K) trained step indices, key as rl_loss's.
-  Returns: the unweighted scalar loss (rl_loss adds loss_scale * data.beta * it).
+  Returns: the unweighted scalar loss (rl_loss adds loss_scale * data.beta * it): the mean over the K
+    trained steps of the per-step data term, which for 'first' is the loss at steps[..., 0] and 0 at the
+    other steps (so L_first / K, cosmos-rl's weighting), and for 'random_step' the loss at one random
+    trained step per rollout.
   """
   num_k = steps.shape[-1]
-  picked = samplers.gather_steps(traj, steps)
   k_steps, k_reduced = jax.random.split(key)
+  if data.steps == 'first':
+    # The key of step 0 in 'full', so 'first' is exactly 1/K of the first term of 'full'.
+    first = _step_inputs(samplers.gather_step(traj, steps[..., 0]))
+    step_key = jax.random.split(k_steps, num_k)[0]
+    return _data_loss_at(apply_fn, params, sampler, first, traj.noise, data, step_key) / num_k
+  picked = samplers.gather_steps(traj, steps)
   if data.steps == 'full':
     def body(_, xs):
       pick, step_key = xs
@@ -151,7 +182,8 @@ def data_loss(apply_fn, params, sampler, traj, steps, data, key):
 
 def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
             log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
-            data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout'):
+            data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout', kl_form='exact',
+            drop_zero_advantages=False):
   """The shared clipped policy-gradient loss with optional reverse-KL and data terms.
 
   Args:
@@ -162,11 +194,11 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
     advantages: (B, N).
     steps: (B, N, K) int32 trained step indices.
     cond: pytree of (B, ...) rollout conditions, or of (B*N, ...) per-slot ones.
-    key: PRNG key (data noise, condition dropout, the reduced variant's step draw).
+    key: PRNG key (data noise, condition dropout, the random_step variant's step draw).
     clip_range: PPO epsilon.
     log_ratio_form: 'cosmos' or 'gaussian' (see `policy.log_ratio`).
     ref_params: frozen reference parameters, required iff kl_beta > 0.
-    kl_beta: weight of KL(step under theta || step under ref) = mean (mu_theta - mu_ref)^2 / (2 s^2).
+    kl_beta: weight of the per-step KL(step under theta || step under ref) of `step_kl`.
     data: optional `DataTerm` (DDRL).
     loss_scale: overall factor (cosmos-rl: 10).
     old_mean: 'rollout' uses the means stored by the rollout (cosmos-rl); the ratio is then 1 only up to
@@ -174,14 +206,22 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
       'cosmos' form multiplies by (x' - mu) ~ sigma and can push past a 1e-4 clip at high sigma).
       'detached' uses stop_gradient(mu_theta): the same gradient, ratio exactly 1. Valid because every
       update here is the first one after its rollout (one optimizer step per rollout batch).
+    kl_form: 'exact' (the Gaussian step KL, mean (mu_theta - mu_ref)^2 / (2 std^2)) or 'flow_grpo'
+      (FlowGRPO's code: / (2 std_dev_t^2), std_dev_t = std / sqrt(|dt|); flow_sde rollouts only). See
+      `step_kl`.
+    drop_zero_advantages: FlowGRPO's filter (scripts/train_sd3.py, the `mask` on
+      `samples["advantages"]` before training): rollouts whose advantage is exactly 0 leave the update,
+      so the policy-gradient and KL means run over the other rollouts (all rollouts dropped: 0).
+      FlowGRPO also re-adds random dropped samples until its batch splits evenly; that is not done here.
   Returns:
     (loss, metrics dict of scalars).
   """
-  _check_rl_options(old_mean, kl_beta, ref_params)
+  _check_rl_options(old_mean, kl_beta, ref_params, kl_form, sampler)
   picked = samplers.gather_steps(traj, steps)
   step = functools.partial(_policy_step, apply_fn, sampler, advantages, cond, ref_params=ref_params,
                            clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
-                           old_mean=old_mean)
+                           old_mean=old_mean, kl_form=kl_form,
+                           drop_zero_advantages=drop_zero_advantages)
   _, per_step = jax.lax.scan(lambda _, pick: (None, step(params, pick)[1]), None, picked)
   metrics = _step_metrics(per_step)
   total = metrics['pg_loss']
@@ -197,17 +237,19 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
 
 def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
                      log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
-                     data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout'):
+                     data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout',
+                     kl_form='exact', drop_zero_advantages=False):
   """`rl_loss` with its gradient accumulated one trained step at a time (module docstring).
 
   Same arguments as `rl_loss`. Returns (loss, metrics, grads): the loss and metrics equal rl_loss's, and
   grads (float32, the structure of params) equal jax.grad of it up to float summation order.
   """
-  _check_rl_options(old_mean, kl_beta, ref_params)
+  _check_rl_options(old_mean, kl_beta, ref_params, kl_form, sampler)
   num_k = steps.shape[-1]
   step = functools.partial(_policy_step, apply_fn, sampler, advantages, cond, ref_params=ref_params,
                            clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
-                           old_mean=old_mean)
+                           old_mean=old_mean, kl_form=kl_form,
+                           drop_zero_advantages=drop_zero_advantages)
 
   def body(acc, step_k):      # step_k (B, N): this step's inputs are gathered here, one step at a time
     (_, out), grads = jax.value_and_grad(step, has_aux=True)(params, samplers.gather_step(traj, step_k))
@@ -228,15 +270,73 @@ def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, k
   return total, metrics, grads
 
 
-def _check_rl_options(old_mean, kl_beta, ref_params):
+def _check_rl_options(old_mean, kl_beta, ref_params, kl_form, sampler):
   if old_mean not in ('rollout', 'detached'):
     raise ValueError(f"old_mean must be 'rollout' or 'detached', got {old_mean!r}")
   if kl_beta > 0 and ref_params is None:
     raise ValueError('kl_beta > 0 needs ref_params')
+  if kl_form not in KL_FORMS:
+    raise ValueError(f'kl_form must be one of {KL_FORMS}, got {kl_form!r}')
+  if kl_beta > 0 and kl_form == 'flow_grpo':
+    _require_flow_sde(sampler.kind)
+
+
+def _require_flow_sde(sampler_kind):
+  if sampler_kind != 'flow_sde':
+    raise ValueError(f"kl_form='flow_grpo' divides by FlowGRPO's std_dev_t, which only the flow_sde "
+                     f"sampler defines; this sampler is {sampler_kind!r} (use kl_form='exact')")
+
+
+def flow_grpo_std_dev(sampler_kind, std, sigma_in, sigma_next):
+  """FlowGRPO's std_dev_t: the flow_sde transition std without its sqrt(|dt|) factor.
+
+  flow_grpo/diffusers_patch/sd3_sde_with_logprob.py (`sde_step_with_logprob`) samples with std
+  std_dev_t * sqrt(-dt), std_dev_t = a sqrt(sigma / (1 - sigma~)), and returns std_dev_t, which
+  scripts/train_sd3.py divides the KL by. Our flow_sde step stores std = std_dev_t * sqrt(sigma_in -
+  sigma_next), so std_dev_t = std / sqrt(sigma_in - sigma_next). Only flow_sde has this quantity.
+
+  Args:
+    sampler_kind: the `Sampler.kind` that made the transitions.
+    std, sigma_in, sigma_next: broadcastable (e.g. (B, N)) transition std and the step's two levels.
+  Returns:
+    std_dev_t, shaped like the broadcast of the inputs.
+  """
+  _require_flow_sde(sampler_kind)
+  return std / jnp.sqrt(sigma_in - sigma_next)
+
+
+def step_kl(mean_theta, mean_ref, std, sigma_in, sigma_next, sampler_kind, form='exact'):
+  """Per-sample KL of one step to the reference, (B, N).
+
+  Both forms average (mu_theta - mu_ref)^2 over the sample's elements (FlowGRPO's `.mean(dim=(1,2,3))`):
+    'exact':     / (2 std^2), the KL of N(mu_theta, std^2 I) from N(mu_ref, std^2 I) per element;
+    'flow_grpo': / (2 std_dev_t^2) (yifan123/flow_grpo scripts/train_sd3.py, its `kl_loss`; see its
+                 issues #22 and #78), = 'exact' x |dt|.
+  Args:
+    mean_theta, mean_ref: (B, N, *S) step means.
+    std, sigma_in, sigma_next: (B, N) transition std and levels (`Trajectory` fields).
+    sampler_kind: the sampler's kind ('flow_grpo' needs 'flow_sde').
+    form: one of KL_FORMS.
+  """
+  sq = ((mean_theta - mean_ref)**2).reshape(mean_ref.shape[:2] + (-1,)).mean(-1)
+  if form == 'exact':
+    scale = std
+  elif form == 'flow_grpo':
+    scale = flow_grpo_std_dev(sampler_kind, std, sigma_in, sigma_next)
+  else:
+    raise ValueError(f'kl_form must be one of {KL_FORMS}, got {form!r}')
+  return sq / (2.0 * scale**2)
+
+
+def _sample_mean(per_sample, keep):
+  """Mean of (B, N) per-sample terms over all samples (keep None) or over the kept ones."""
+  if keep is None:
+    return per_sample.mean()
+  return jnp.where(keep, per_sample, 0.0).sum() / jnp.maximum(keep.sum(), 1)
 
 
 def _policy_step(apply_fn, sampler, advantages, cond, params, pick, *, ref_params, clip_range,
-                 log_ratio_form, kl_beta, old_mean):
+                 log_ratio_form, kl_beta, old_mean, kl_form='exact', drop_zero_advantages=False):
   """One trained step's policy terms: (pg + kl_beta * kl, metrics of the step); pick as gather_steps'
   entries at one k ((B, N, ...) fields)."""
   inp = _step_inputs(pick)
@@ -244,13 +344,18 @@ def _policy_step(apply_fn, sampler, advantages, cond, params, pick, *, ref_param
   mean_old = pick['mean'] if old_mean == 'rollout' else jax.lax.stop_gradient(mean_theta)
   lr = policy.log_ratio(pick['x_next'], mean_theta, mean_old, pick['std'], log_ratio_form)
   pg, ratio, clipped = policy.clipped_policy_loss(advantages, lr, clip_range)
-  out = dict(pg_loss=pg.mean(), ratio_mean=ratio.mean(), ratio_max_dev=jnp.abs(ratio - 1.0).max(),
-             clipfrac=clipped.mean(), approx_kl=0.5 * (lr**2).mean())
+  keep = advantages != 0 if drop_zero_advantages else None
+  out = dict(pg_loss=_sample_mean(pg, keep), ratio_mean=ratio.mean(),
+             ratio_max_dev=jnp.abs(ratio - 1.0).max(), clipfrac=clipped.mean(),
+             approx_kl=0.5 * (lr**2).mean())
+  if keep is not None:
+    out['kept_fraction'] = keep.mean()
   term = out['pg_loss']
   if kl_beta > 0:
     mean_ref = jax.lax.stop_gradient(sampler.batched_step(apply_fn, ref_params, inp, cond)[0])
-    sq = ((mean_theta - mean_ref)**2).reshape(mean_ref.shape[:2] + (-1,)).mean(-1)
-    out['kl'] = (sq / (2.0 * pick['std']**2)).mean()
+    kl = step_kl(mean_theta, mean_ref, pick['std'], pick['sigma_in'], pick['sigma_next'], sampler.kind,
+                 kl_form)
+    out['kl'] = _sample_mean(kl, keep)
     term = term + kl_beta * out['kl']
   return term, out
 
@@ -271,14 +376,19 @@ def ddrl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, data, ke
 
 
 def flow_grpo_loss(apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, key, *,
-                   kl_beta=0.04, clip_range=1e-4, log_ratio_form='gaussian', loss_scale=1.0, old_mean='rollout'):
+                   kl_beta=0.04, clip_range=1e-4, log_ratio_form='gaussian', loss_scale=1.0,
+                   old_mean='rollout', kl_form='exact', drop_zero_advantages=False):
   """FlowGRPO: clipped policy gradient + kl_beta * per-step reverse KL to frozen reference parameters.
 
-  The KL is the exact one of the two equal-variance Gaussian steps, mean (mu_theta - mu_ref)^2 / (2 std^2)
-  with the transition std (FlowGRPO's code divides by s^2 without the |dt| factor; issues #22/#78)."""
+  kl_form='exact' (the default here, kept for existing callers) is the KL of the two equal-variance
+  Gaussian steps, mean (mu_theta - mu_ref)^2 / (2 std^2) with the transition std; kl_form='flow_grpo' is
+  FlowGRPO's code (yifan123/flow_grpo scripts/train_sd3.py), which divides by 2 std_dev_t^2 without the
+  |dt| factor (its issues #22/#78), 1/|dt| weaker at the same kl_beta. The `flow_grpo` config preset uses
+  kl_form='flow_grpo' and FlowGRPO's zero-advantage filter (drop_zero_advantages=True); see `rl_loss`."""
   return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, clip_range=clip_range,
                  log_ratio_form=log_ratio_form, ref_params=ref_params, kl_beta=kl_beta,
-                 loss_scale=loss_scale, old_mean=old_mean)
+                 loss_scale=loss_scale, old_mean=old_mean, kl_form=kl_form,
+                 drop_zero_advantages=drop_zero_advantages)
 
 
 def dance_grpo_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *,
@@ -301,14 +411,17 @@ def ddpo_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *,
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-  """How an algorithm is wired: its default sampler, whether it holds a reference or uses data, and how
-  it picks trained steps ('fixed': the same list for every rollout; 'random': a random subset per rollout)."""
+  """How an algorithm is wired: its default sampler, whether it holds a reference or uses data, how it
+  picks trained steps ('fixed': the same list for every rollout; 'random': a random subset per rollout),
+  and its objective: 'clipped_pg' (the rl_loss family on the stored trajectory) or 'nft' (DiffusionNFT's
+  forward-process loss on the clean samples, `rl/nft.py`, with an old policy that samples the rollouts)."""
   name: str
   default_sampler: str
   uses_reference: bool
   uses_data: bool
   step_selection: str
   default_log_ratio: str
+  objective: str = 'clipped_pg'
 
   def default_train_steps(self, num_steps):
     """Trained steps (fixed) or the candidate pool (random) when the config gives none."""
@@ -316,6 +429,8 @@ class Algorithm:
       return tuple(range(0, num_steps - 1, 2))       # cosmos-rl: 0, 2, ..., 18 of 20
     if self.name == 'flow_grpo':
       return tuple(range(max(1, int(0.99 * num_steps))))  # all but the last
+    if self.name == 'diffusion_nft':
+      return tuple(range(num_steps))                 # every grid time is a candidate (x_t is re-noised)
     return tuple(range(max(1, num_steps - 1)))       # DanceGRPO / DDPO: all but the last
 
   def select_steps(self, key, batch, num_rollouts, train_steps, fraction):
@@ -331,21 +446,29 @@ class Algorithm:
   def _options(self, ref_params, data, rl):
     """rl_loss keyword arguments from an `rl` ConfigDict (see configs/): the named losses' wiring."""
     kw = dict(clip_range=rl.clip_range, log_ratio_form=rl.log_ratio or self.default_log_ratio,
-              loss_scale=rl.loss_scale, old_mean=rl.old_mean)
+              loss_scale=rl.loss_scale, old_mean=rl.old_mean,
+              drop_zero_advantages=rl.drop_zero_advantages)
     if self.uses_data:
       kw['data'] = data
     if self.uses_reference:
-      kw.update(ref_params=ref_params, kl_beta=rl.kl_beta)
+      kw.update(ref_params=ref_params, kl_beta=rl.kl_beta, kl_form=rl.kl_form)
     return kw
+
+  def _check_clipped_pg(self):
+    if self.objective != 'clipped_pg':
+      raise ValueError(f'{self.name} is not a clipped policy-gradient algorithm; its loss is in '
+                       f'ddrl_jax/rl/nft.py (nft_loss, nft_loss_and_grad)')
 
   def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, rl):
     """The algorithm's loss (the reference form) with the options of an `rl` ConfigDict."""
+    self._check_clipped_pg()
     return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key,
                    **self._options(ref_params, data, rl))
 
   def loss_and_grad(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key,
                     rl):
     """(loss, metrics, float32 grads): `loss` with the gradient accumulated per trained step."""
+    self._check_clipped_pg()
     return rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, key,
                             **self._options(ref_params, data, rl))
 
@@ -359,6 +482,9 @@ ALGORITHMS = {
                             step_selection='random', default_log_ratio='gaussian'),
     'ddpo': Algorithm('ddpo', 'ddim', uses_reference=False, uses_data=False,
                       step_selection='random', default_log_ratio='gaussian'),
+    # CFG-free; only the clean samples and the sampler's time grid are used (rl/nft.py).
+    'diffusion_nft': Algorithm('diffusion_nft', 'flow_sde', uses_reference=True, uses_data=False,
+                               step_selection='random', default_log_ratio='gaussian', objective='nft'),
 }
 
 

@@ -180,17 +180,27 @@ class OCRTask:
     return to_uint8(samples)
 
   def evaluate(self, samples, key, cond=None):
-    """OCR accuracy of (M, 3, H, W) samples of `cond` (the trainer passes the eval conditions)."""
+    """OCR accuracy of (M, 3, H, W) samples of `cond` (the trainer passes the eval conditions), read by
+    the training reader (Tesseract: ocr, ocr_exact) and by the held-out judge (RapidOCR: ocr_rapid,
+    ocr_exact_rapid); reader_gap = ocr - ocr_rapid on the same images."""
     del key
     images, finite = to_uint8(samples)
     if cond is None:
       return dict(finite_fraction=float(finite.mean()))
-    reward = getattr(self, '_ocr', None) or ocr_reward.OCRReward(**dict(self.config.reward.kwargs.get(
-        'ocr', {})))
-    self._ocr = reward
-    scores = np.where(finite, reward(images, self.prompts(cond)), 0.0)
-    return dict(ocr=float(scores.mean()), ocr_exact=float((scores == 1).mean()),
-                finite_fraction=float(finite.mean()))
+    kwargs = self.config.reward.kwargs
+    readers = getattr(self, '_readers', None) or (
+        ocr_reward.OCRReward(**dict(kwargs.get('ocr', {}))),
+        ocr_reward.RapidOCRReward(**dict(kwargs.get('ocr_rapid', {}))))
+    self._readers = readers
+    prompts = self.prompts(cond)
+    out = {}
+    for suffix, reader in zip(('', '_rapid'), readers):
+      scores = np.where(finite, reader(images, prompts), 0.0)
+      out[f'ocr{suffix}'] = float(scores.mean())
+      out[f'ocr_exact{suffix}'] = float((scores == 1).mean())
+    out['reader_gap'] = out['ocr'] - out['ocr_rapid']
+    out['finite_fraction'] = float(finite.mean())
+    return out
 
   # ------------------------------------------------------------------------------- records
   def from_records(self, batch, key):

@@ -1,0 +1,75 @@
+"""benchmarks/ocr_table.py: the cell plan, the intervals, the table, and a resumable two-interval run."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
+
+import ocr_table  # pylint: disable=wrong-import-position
+
+
+def test_cells_are_seed_major_and_checked():
+  assert ocr_table.parse_cells('ddrl:0,1;dance_grpo:0;ddrl:1') == [
+      ('ddrl', 0), ('dance_grpo', 0), ('ddrl', 1)]
+  cells = ocr_table.parse_cells(ocr_table.DEFAULT_CELLS)
+  assert len(cells) == 15 and cells[:7] == [(m, 0) for m in (
+      'ddrl', 'flow_grpo', 'dance_grpo', 'diffusion_nft', 'ddrl_reduced', 'ddrl_synthetic',
+      'flow_grpo_exact_kl')]
+  with pytest.raises(ValueError, match='method:seed'):
+    ocr_table.parse_cells('ddrl')
+  with pytest.raises(ValueError, match='preset'):
+    ocr_table.parse_cells('ppo:0')
+
+
+def test_t_interval_matches_the_closed_form():
+  mean, half = ocr_table.t_interval([1.0, 2.0, 3.0])
+  # t(0.975, 2) = 4.302653; sem = 1 / sqrt(3)
+  assert mean == 2.0 and half == pytest.approx(4.302653 / np.sqrt(3), rel=1e-6)
+  assert np.isnan(ocr_table.t_interval([0.5])[1])
+
+
+def _row(method, seed, iteration, ocr, **extra):
+  return dict(method=method, seed=seed, iteration=iteration, ocr_heldout=ocr, train_seconds=60.0 * iteration,
+              passes_rollout=80, passes_train=240, **extra)
+
+
+def test_summary_uses_the_last_iteration_every_seed_reached():
+  rows = [_row('base', 0, 0, 0.25, style_drift=21.0, data_style_drift=0.6)]
+  rows += [_row('ddrl', s, it, 0.25 + 0.001 * it + 0.01 * s) for s in range(3) for it in (0, 25, 50)]
+  rows += [_row('ddrl', 0, 75, 0.9)]                   # seed 0 ran ahead: not in the table yet
+  summ = ocr_table.summary(rows)
+  it, n, stats = summ['ddrl']
+  assert (it, n) == (50, 3)
+  np.testing.assert_allclose(stats['ocr_heldout'][0], 0.31)
+  text = ocr_table.table(rows)
+  assert '| DDRL | 50 | 3 | 0.310 ± 0.025 |' in text
+  assert '(data 0.60)' in text and text.count('\n') == 3
+
+
+def test_a_budgeted_run_resumes_without_repeating_work(tmp_path):
+  """Two 1-iteration intervals of one cell, the second in a new process-like Runner: the first run is
+  cut by its budget after one interval, the second trains only the remaining one."""
+  work, out = tmp_path / 'work', tmp_path / 'out'
+  out.mkdir()
+  argv = ['--cells=ddrl:0', '--iterations=2', '--eval_every=1', '--prompts=2', '--per_prompt=2',
+          f'--workdir={work}', f'--out={out}']
+  args = ocr_table.parse_args(argv + ['--budget_minutes=0.0001'])
+  runner = ocr_table.Runner(args, {})
+  assert runner.run(ocr_table.parse_cells(args.cells)) is False
+  first = ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))
+  assert [(r['method'], r['iteration']) for r in first] == [('base', 0), ('ddrl', 0)]
+  ocr_table.main(argv)
+  rows = ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))
+  keys = [(r['method'], r['seed'], r['iteration']) for r in rows]
+  assert keys == [('base', 0, 0), ('ddrl', 0, 0), ('ddrl', 0, 1), ('ddrl', 0, 2)]
+  assert rows[-1]['train_seconds'] > rows[-2]['train_seconds'] > 0
+  assert all(np.isfinite(r['ocr_heldout']) for r in rows)
+  assert 'style_drift_from_reference' in rows[-1]
+  with open(out / 'ocr_table.jsonl', encoding='utf-8') as f:
+    assert len([json.loads(line) for line in f]) == 4
+  assert (out / 'ocr_table_ddrl.png').exists() and (out / 'ocr_table_base.png').exists()
+  ocr_table.main(argv)                                  # finished: nothing trains or evaluates again
+  assert len(ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))) == 4
