@@ -16,10 +16,11 @@ the data and from the base's own samples, diversity, the texture and colour stat
 loss. Rows are appended to <workdir>/evaluations.jsonl as they are made, so a killed or budgeted run
 loses at most one interval and the next run continues from the cells' checkpoints.
 
-Outputs in --out (benchmarks/): ocr_table.jsonl (every evaluation, with command, date and machine),
-ocr_table.png (held-out OCR against drift from the base, and Tesseract against RapidOCR, over training;
-means over seeds), ocr_table_<method>.png (samples of seed 0 at its last evaluation), and the markdown
-table (mean and 95% t-interval over seeds at the last common iteration) on stdout.
+Outputs in --out (benchmarks/): ocr_methods.jsonl (every evaluation, with command, date and machine),
+ocr_methods.png (held-out OCR against drift from the base, and Tesseract against RapidOCR, over
+training; means over seeds), ocr_methods_<method>.png (samples of the first seed at its last evaluation),
+and the markdown table (mean and 95% t-interval over seeds at the last common iteration) on stdout.
+(ocr_table.jsonl / ocr_table*.png are the earlier 80-iteration, one-seed table of RESULTS.md.)
 """
 import argparse
 import collections
@@ -149,7 +150,7 @@ class Runner:
       self.rows = [r for r in self.rows if r['method'] != 'base']
       grid, stats = self.evaluate(config, trainer, 'base', 0, 0, 0.0)
       np.save(stats_path, stats)
-      image_grid.write_grid(os.path.join(self.args.out, 'ocr_table_base.png'), grid,
+      image_grid.write_grid(os.path.join(self.args.out, 'ocr_methods_base.png'), grid,
                             columns=self.args.per_prompt * 2)
     trainer.close_rewards()
     self.reference = np.load(stats_path)
@@ -186,7 +187,7 @@ class Runner:
       trainer.ckpt.wait_until_finished()
       grid, _ = self.evaluate(config, trainer, method, seed, it, seconds)
     if grid is not None and seed == min(s for m, s in self.cells if m == method):
-      image_grid.write_grid(os.path.join(a.out, f'ocr_table_{method}.png'), grid,
+      image_grid.write_grid(os.path.join(a.out, f'ocr_methods_{method}.png'), grid,
                             columns=a.per_prompt * 2)
     trainer.close_rewards()
     return it >= a.iterations
@@ -321,10 +322,10 @@ def plot(rows, path):
 
 
 def report(rows, out):
-  with open(os.path.join(out, 'ocr_table.jsonl'), 'w', encoding='utf-8') as f:
+  with open(os.path.join(out, 'ocr_methods.jsonl'), 'w', encoding='utf-8') as f:
     for r in rows:
       f.write(json.dumps(r) + '\n')
-  plot(rows, os.path.join(out, 'ocr_table.png'))
+  plot(rows, os.path.join(out, 'ocr_methods.png'))
   print(table(rows))
 
 

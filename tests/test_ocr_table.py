@@ -68,8 +68,8 @@ def test_a_budgeted_run_resumes_without_repeating_work(tmp_path):
   assert rows[-1]['train_seconds'] > rows[-2]['train_seconds'] > 0
   assert all(np.isfinite(r['ocr_heldout']) for r in rows)
   assert 'style_drift_from_reference' in rows[-1]
-  with open(out / 'ocr_table.jsonl', encoding='utf-8') as f:
+  with open(out / 'ocr_methods.jsonl', encoding='utf-8') as f:
     assert len([json.loads(line) for line in f]) == 4
-  assert (out / 'ocr_table_ddrl.png').exists() and (out / 'ocr_table_base.png').exists()
+  assert (out / 'ocr_methods_ddrl.png').exists() and (out / 'ocr_methods_base.png').exists()
   ocr_table.main(argv)                                  # finished: nothing trains or evaluates again
   assert len(ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))) == 4
