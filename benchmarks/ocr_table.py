@@ -41,6 +41,7 @@ from ddrl_jax import evaluate as evaluate_lib
 from ddrl_jax import flops as flops_lib
 from ddrl_jax import image_grid
 from ddrl_jax import trainer as trainer_lib
+from ddrl_jax import xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -348,6 +349,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+  xla_flags.apply()                    # the CLIs' XLA:CPU defaults (ddrl_jax/xla_flags.py)
   args = parse_args(argv)
   cells = parse_cells(args.cells)
   meta = dict(date=time.strftime('%Y-%m-%d'), machine=f'{platform.machine()} {os.cpu_count()} cores',
