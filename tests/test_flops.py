@@ -119,6 +119,8 @@ def test_throughput_metrics():
     ('flow_grpo', {'rl.kl_beta': 0.0}, (6, 15, 0, 0)),
     ('dance_grpo', {}, (6, 9, 0, 0)),                        # fraction 0.6: 3 steps
     ('ddpo', {}, (6, 15, 0, 0)),                             # fraction 1: 5 steps
+    ('diffusion_nft', {}, (6, 15, 10, 0)),                   # int(0.99 * 6) = 5 times; old + reference
+    ('diffusion_nft', {'rl.kl_beta': 0.0}, (6, 15, 5, 0)),   # the old policy's forward alone
 ])
 def test_iteration_passes_per_algorithm(preset, overrides, passes):
   c = small_config(preset, **overrides)
@@ -189,7 +191,7 @@ def traced_passes(config, monkeypatch):
 
 @pytest.mark.parametrize('preset,overrides', [
     ('ddrl', {}), ('ddrl_reduced', {}), ('ddrl_exact', {}), ('flow_grpo', {}),
-    ('flow_grpo', {'rl.kl_beta': 0.0}), ('dance_grpo', {}), ('ddpo', {}),
+    ('flow_grpo', {'rl.kl_beta': 0.0}), ('dance_grpo', {}), ('ddpo', {}), ('diffusion_nft', {}),
     ('ddrl', {'rl.train_steps': (0, 1, 3), 'sampler.kind': 'flow_sde'}),
 ])
 def test_iteration_passes_equal_the_traced_network_calls(preset, overrides, monkeypatch):
