@@ -3,7 +3,7 @@ seeds per method, with confidence intervals, two OCR readers and the hacking sta
 
   python benchmarks/ocr_table.py                        # the full plan; resumes wherever it stopped
   python benchmarks/ocr_table.py --budget_minutes=120   # stop cleanly after ~2 hours (rerun to go on)
-  python benchmarks/ocr_table.py --report               # only the table, plots and grids from what exists
+  python benchmarks/ocr_table.py --report               # only the table and plot from the recorded rows
   python benchmarks/ocr_table.py --cells='ddrl:0;dance_grpo:0' --iterations=40 --eval_every=20
 
 Every cell (method, seed) starts from configs/ocr_tiny.py's shipped base model and runs the same
@@ -14,7 +14,9 @@ Every --eval_every iterations a cell is checkpointed and evaluated by ddrl_jax.e
 held-out OCR by the training reader (Tesseract) and by a second reader (RapidOCR / PP-OCR), style drift to
 the data and from the base's own samples, diversity, the texture and colour statistics, held-out diffusion
 loss. Rows are appended to <workdir>/evaluations.jsonl as they are made, so a killed or budgeted run
-loses at most one interval and the next run continues from the cells' checkpoints.
+loses at most one interval and the next run continues from the cells' checkpoints (a kill between a
+checkpoint and its evaluation row re-evaluates that checkpoint, and its interval's training time is
+not counted).
 
 Outputs in --out (benchmarks/): ocr_methods.jsonl (every evaluation, with command, date and machine),
 ocr_methods.png (held-out OCR against drift from the base, and Tesseract against RapidOCR, over

@@ -27,6 +27,14 @@ SAFE_TO_CHANGE = (
     'reward.retries', 'reward.task_ttl_s', 'data.worker_count', 'data.skip_bad', 'mesh.', 'sharding.')
 
 
+# Keys added after checkpoints were first written, with the value that reproduces how those runs
+# trained: a saved config without the key reads as this value, so such checkpoints still resume.
+ADDED_KEY_DEFAULTS = {
+    'rl.adv_normalization': 'cosmos', 'rl.adv_global_std': True, 'rl.failed_advantage': 'zero',
+    'rl.drop_zero_advantages': False, 'rl.kl_form': 'exact', 'rl.nft_beta': 1.0, 'rl.nft_old_decay': 1,
+}
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be resumed; the message names its path."""
 
@@ -118,6 +126,9 @@ def _safe(key):
 def config_differences(saved, current):
   """(safe, unsafe): lists of (key, saved value, current value) between two config dicts."""
   a, b = flatten(saved), flatten(current)
+  if any(k.startswith('rl.') for k in a):       # a trainer config written before those keys existed
+    for key, value in ADDED_KEY_DEFAULTS.items():
+      a.setdefault(key, value)
   diffs = [(k, a.get(k, '<absent>'), b.get(k, '<absent>')) for k in sorted(set(a) | set(b))
            if a.get(k, '<absent>') != b.get(k, '<absent>')]
   return [d for d in diffs if _safe(d[0])], [d for d in diffs if not _safe(d[0])]

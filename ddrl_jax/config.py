@@ -58,7 +58,7 @@ def validate(config, num_devices):
   _check(not bad, 'rl.train_steps', steps,
          f'indices {bad} are outside [0, T) with T = sampler.num_steps = {num_steps}')
   _check(len(set(steps)) == len(steps), 'rl.train_steps', steps, 'duplicate step indices')
-  if kind in ('cosmos_2ab', 'ddim'):
+  if kind in ('cosmos_2ab', 'ddim') and algo.objective != 'nft':   # NFT re-noises clean samples
     _check(num_steps - 1 not in steps, 'rl.train_steps', steps,
            f'step T-1 = {num_steps - 1} of {kind} is deterministic (no Gaussian transition to train)')
   _check(0 < rl.train_fraction <= 1, 'rl.train_fraction', rl.train_fraction, 'must be in (0, 1]')

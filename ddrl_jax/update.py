@@ -157,7 +157,7 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
       _, metrics, grads = nft.nft_loss_and_grad(
           apply_fn, cast_params(state.params), cast_params(state.old_params), ref, traj, advantages,
           steps, rollout.cond, k_loss, beta=rl.nft_beta, adv_clip_max=rl.adv_clip, kl_beta=rl.kl_beta,
-          loss_scale=rl.loss_scale)
+          loss_scale=rl.loss_scale, valid=jnp.isfinite(rewards).all(-1))
     else:
       _, metrics, grads = algo.loss_and_grad(apply_fn, cast_params(state.params), ref, sampler, traj,
                                              advantages, steps, rollout.cond, None, k_loss, rl)

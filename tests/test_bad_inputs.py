@@ -7,6 +7,7 @@ row); the CLI's flags; data records; damaged and mismatched checkpoints; reward 
 reward service. benchmarks/RESULTS.md reports the count.
 """
 import ast
+import copy
 import os
 import shutil
 import subprocess
@@ -331,3 +332,19 @@ def test_malformed_redis_payload_is_answered_400(payload, words, redis_url, serv
   assert svc.redis.blpop([svc.keys.done('bad')], timeout=30)
   reply = wire.unpack(svc.redis.get(svc.keys.result('bad')))
   assert reply['code'] in (400, 401) and words in reply['error'], reply
+
+
+def test_checkpoints_from_before_added_keys_still_resume():
+  """A saved config without the keys added later (checkpoints.ADDED_KEY_DEFAULTS) matches today's config
+  at the values that reproduce those runs, and differs (unsafely) at any other value."""
+  current = small_config('ddrl').to_dict()
+  saved = copy.deepcopy(current)
+  for key in checkpoints_lib.ADDED_KEY_DEFAULTS:
+    section, name = key.split('.')
+    del saved[section][name]
+  assert checkpoints_lib.config_differences(saved, current) == ([], [])
+  current['rl']['kl_form'] = 'flow_grpo'
+  assert checkpoints_lib.config_differences(saved, current)[1] == [('rl.kl_form', 'exact', 'flow_grpo')]
+  for key, value in checkpoints_lib.ADDED_KEY_DEFAULTS.items():   # the defaults are today's defaults
+    section, name = key.split('.')
+    assert small_config('ddrl')[section][name] == value, key

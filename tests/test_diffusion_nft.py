@@ -192,6 +192,14 @@ def test_diffusion_nft_trains_through_the_trainer(tmp_path):
   trainer = trainer_lib.Trainer(c, tmp_path, devices=jax.devices()[:1])
   trainer.restore_or_init()
   trainer._build()  # pylint: disable=protected-access
+  rolled_with = []
+  real_rollout = trainer._rollout  # pylint: disable=protected-access
+
+  def spy(params, *args):
+    rolled_with.append(params is trainer.state.old_params and params is not trainer.state.params)
+    return real_rollout(params, *args)
+
+  trainer._rollout = spy  # pylint: disable=protected-access
   initial = jax.tree.map(np.asarray, trainer.state.params)
   old = initial
   rows = []
@@ -202,6 +210,7 @@ def test_diffusion_nft_trains_through_the_trainer(tmp_path):
     old = jax.tree.map(lambda o, p, d=decay: d * o + (1 - d) * p, old, params)
     for got, want in zip(jax.tree.leaves(trainer.state.old_params), jax.tree.leaves(old)):
       np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  assert rolled_with == [True] * 3               # every rollout sampled by the old policy
   jax.tree.map(np.testing.assert_array_equal, trainer.state.ref_params, initial)
   assert trainer.state.ema_params is not None
   trainer.save()
@@ -216,3 +225,39 @@ def test_diffusion_nft_trains_through_the_trainer(tmp_path):
   for got, want in zip(jax.tree.leaves(resumed.state.old_params), jax.tree.leaves(trainer.state.old_params)):
     np.testing.assert_array_equal(got, want)
   resumed.close_rewards()
+
+
+def test_failed_samples_leave_the_means(problem):
+  """A failed sample (valid False) neither counts in the loss nor moves the parameters: the masked loss and
+  gradient equal those of the valid subset alone."""
+  p = problem
+  r = nft.optimality_weights(p['adv'], 5.0)
+  valid = jnp.arange(p['x0'].shape[0]) % 3 != 0
+  kw = dict(beta=0.1, adv_clip_max=5.0, kl_beta=0.01)
+
+  def masked(q):
+    return nft.step_loss(linear_apply, q, p['old'], p['ref'], p['x0'], p['t'], p['noise'], p['cond'], r,
+                         valid=valid, **kw)[0]
+
+  def subset(q):
+    take = lambda a: a[valid]
+    return nft.step_loss(linear_apply, q, p['old'], p['ref'], take(p['x0']), take(p['t']),
+                         take(p['noise']), take(p['cond']), take(r), **kw)[0]
+
+  np.testing.assert_allclose(masked(p['params']), subset(p['params']), rtol=1e-6)
+  for g, w in zip(jax.tree.leaves(jax.grad(masked)(p['params'])), jax.tree.leaves(jax.grad(subset)(p['params']))):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+  none_valid = nft.step_loss(linear_apply, p['params'], p['old'], p['ref'], p['x0'], p['t'], p['noise'],
+                             p['cond'], r, valid=jnp.zeros_like(valid), **kw)[0]
+  assert float(none_valid) == 0.0
+
+
+def test_validates_with_any_sampler():
+  """NFT trains on re-noised clean samples, never on transitions: a deterministic last step is fine."""
+  from configs import toy2d as toy_config  # pylint: disable=import-outside-toplevel
+  from ddrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  for kind in ('cosmos_2ab', 'ddim', 'flow_sde', 'dance_sde'):
+    c = toy_config.get_config('diffusion_nft')
+    c.sampler.kind = kind
+    config_lib.validate(c, num_devices=1)
+    assert config_lib.train_steps(c) == tuple(range(c.sampler.num_steps))

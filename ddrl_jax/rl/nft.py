@@ -15,7 +15,8 @@ forward-process point x_t = (1 - t) x0 + t eps with fresh noise (the rectified-f
       + kl_beta mean_samples,t mean (v - v_ref)^2                  optional, to the frozen base
 
 with a = adv_clip_max. Positive-reward samples pull v+ toward them, negative ones push v- toward them,
-which moves theta away; CFG-free (the sampler runs with guidance 1). The old policy samples the rollouts
+which moves theta away. The reference is CFG-free: run it with the task's guidance at 1 (the OCR preset's
+default). The old policy samples the rollouts
 and is updated after each optimizer step as old <- d old + (1 - d) theta with d = `old_decay(step)`.
 
 Times: each rollout trains at K = int(T * train_fraction) of the sampler's T grid times (a random
@@ -23,8 +24,12 @@ permutation per rollout; the reference's `timestep_fraction` 0.99 of its 10 step
 time. The mean over times and samples is the reference's loss divided by its gradient-accumulation count.
 
 Differences from the reference, kept on purpose: one optimizer step per rollout batch (sd3_ocr takes 2,
-the second on the same samples), so `old_decay` counts optimizer steps = iterations; the per-sample x0
-weight is computed in float32 (the reference uses float64).
+each on half of the epoch's samples), so `old_decay`'s step count, which is the reference's optimizer
+steps, advances once per iteration here and twice per epoch there (its 75 flat steps are 37.5 rollout
+epochs in sd3_ocr, 75 iterations here); the per-sample x0 weight is computed in float32 (the reference
+uses float64). Failed samples (non-finite rewards; the reference has none) are left out of the means
+through `valid`: with advantage 0 they would get r = 1/2, whose gradient pulls theta toward the old
+policy rather than vanishing.
 """
 import functools
 
@@ -65,8 +70,15 @@ def _per_sample_mean(a):
   return a.reshape(a.shape[0], -1).mean(axis=-1)
 
 
+def _masked_mean(per_sample, valid=None):
+  """Mean of (M,) terms over all samples, or over the `valid` ones (0 when there are none)."""
+  if valid is None:
+    return per_sample.mean()
+  return jnp.where(valid, per_sample, 0.0).sum() / jnp.maximum(valid.sum(), 1)
+
+
 def step_loss(apply_fn, params, old_params, ref_params, x0, t, noise, cond, r, *, beta, adv_clip_max,
-              kl_beta=0.0):
+              kl_beta=0.0, valid=None):
   """The loss at one forward-process time per sample, and its metrics.
 
   Args:
@@ -77,6 +89,7 @@ def step_loss(apply_fn, params, old_params, ref_params, x0, t, noise, cond, r, *
     cond: pytree of (M, ...) conditions; r: (M,) optimality weights (`optimality_weights`).
     beta: the NFT mixing strength (> 0); adv_clip_max: the advantage clip (the loss is scaled by it);
     kl_beta: weight of the velocity MSE to the reference.
+    valid: (M,) bool, samples that count (None: all); the means run over them (0 if none).
   Returns:
     (scalar loss, dict of scalar metrics).
   """
@@ -97,13 +110,14 @@ def step_loss(apply_fn, params, old_params, ref_params, x0, t, noise, cond, r, *
   positive = _per_sample_mean(err_pos**2) / w_pos
   negative = _per_sample_mean(err_neg**2) / w_neg
   per_sample = (r * positive + (1.0 - r) * negative) / beta
-  policy = (per_sample * adv_clip_max).mean()
-  metrics = dict(nft_policy_loss=policy, nft_unweighted_loss=per_sample.mean(),
-                 nft_old_deviation=((v - v_old)**2).mean(), nft_r_mean=r.mean())
+  mean = functools.partial(_masked_mean, valid=valid)
+  policy = mean(per_sample * adv_clip_max)
+  metrics = dict(nft_policy_loss=policy, nft_unweighted_loss=mean(per_sample),
+                 nft_old_deviation=mean(_per_sample_mean((v - v_old)**2)), nft_r_mean=mean(r))
   loss = policy
   if kl_beta > 0:
     v_ref = jax.lax.stop_gradient(apply_fn(ref_params, x_t, t, cond).astype(jnp.float32))
-    kl = _per_sample_mean((v - v_ref)**2).mean()
+    kl = mean(_per_sample_mean((v - v_ref)**2))
     metrics['kl'] = kl
     loss = loss + kl_beta * kl
   return loss, metrics
@@ -122,17 +136,19 @@ def _step_args(traj, advantages, cond, step_k, key, adv_clip_max):
 
 
 def nft_loss(apply_fn, params, old_params, ref_params, traj, advantages, steps, cond, key, *, beta,
-             adv_clip_max, kl_beta=0.0, loss_scale=1.0):
+             adv_clip_max, kl_beta=0.0, loss_scale=1.0, valid=None):
   """DiffusionNFT's loss over the K trained times of every rollout (the reference form: jax.grad of it
   keeps all K steps' residuals).
 
   Args: traj `Trajectory` (B, N, ...) (only x0 and t_in are read), advantages (B, N), steps (B, N, K)
     indices into the sampler's T steps, cond pytree of (B*N, ...) slot conditions, key PRNG key (the
-    fresh noise, one draw per trained step); the rest as `step_loss`.
+    fresh noise, one draw per trained step), valid (B, N) bool or None (failed samples False); the rest
+    as `step_loss`.
   Returns: (loss, metrics): means over the K steps.
   """
   keys = jax.random.split(key, steps.shape[-1])
-  step = functools.partial(step_loss, apply_fn, beta=beta, adv_clip_max=adv_clip_max, kl_beta=kl_beta)
+  step = functools.partial(step_loss, apply_fn, beta=beta, adv_clip_max=adv_clip_max, kl_beta=kl_beta,
+                           valid=None if valid is None else valid.reshape(-1))
 
   def body(_, xs):
     step_k, k = xs
@@ -146,13 +162,14 @@ def nft_loss(apply_fn, params, old_params, ref_params, traj, advantages, steps, 
 
 
 def nft_loss_and_grad(apply_fn, params, old_params, ref_params, traj, advantages, steps, cond, key, *,
-                      beta, adv_clip_max, kl_beta=0.0, loss_scale=1.0):
+                      beta, adv_clip_max, kl_beta=0.0, loss_scale=1.0, valid=None):
   """`nft_loss` with its gradient accumulated one trained time at a time (activation memory independent
   of K). Returns (loss, metrics, float32 grads with the structure of params); equal to jax.grad of
   nft_loss up to float summation order (the same noise draws)."""
   num_k = steps.shape[-1]
   keys = jax.random.split(key, num_k)
-  step = functools.partial(step_loss, apply_fn, beta=beta, adv_clip_max=adv_clip_max, kl_beta=kl_beta)
+  step = functools.partial(step_loss, apply_fn, beta=beta, adv_clip_max=adv_clip_max, kl_beta=kl_beta,
+                           valid=None if valid is None else valid.reshape(-1))
 
   def body(acc, xs):
     step_k, k = xs
