@@ -120,6 +120,7 @@ class Runner:
     self.rows = read_rows(self.rows_path)
     self.deadline = time.monotonic() + 60 * args.budget_minutes if args.budget_minutes > 0 else None
     self.reference = None
+    self.cells = []
 
   def out_of_time(self):
     return self.deadline is not None and time.monotonic() > self.deadline
@@ -197,7 +198,7 @@ class Runner:
 
   def run(self, cells):
     """Trains and evaluates `cells` in order; True when every cell reached --iterations."""
-    self.cells = cells  # pylint: disable=attribute-defined-outside-init
+    self.cells = cells
     self.base()
     done = []
     for method, seed in cells:
