@@ -247,6 +247,11 @@ def test_failed_samples_leave_the_means(problem):
   np.testing.assert_allclose(masked(p['params']), subset(p['params']), rtol=1e-6)
   for g, w in zip(jax.tree.leaves(jax.grad(masked)(p['params'])), jax.tree.leaves(jax.grad(subset)(p['params']))):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+  poisoned = p['x0'].at[0].set(jnp.nan)               # sample 0 is failed: its NaN must not leak
+  grads = jax.grad(lambda q: nft.step_loss(linear_apply, q, p['old'], p['ref'], poisoned, p['t'], p['noise'],
+                                           p['cond'], r, valid=valid, **kw)[0])(p['params'])
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(jax.grad(subset)(p['params']))):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
   none_valid = nft.step_loss(linear_apply, p['params'], p['old'], p['ref'], p['x0'], p['t'], p['noise'],
                              p['cond'], r, valid=jnp.zeros_like(valid), **kw)[0]
   assert float(none_valid) == 0.0

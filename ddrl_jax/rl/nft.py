@@ -98,6 +98,8 @@ def step_loss(apply_fn, params, old_params, ref_params, x0, t, noise, cond, r, *
   if kl_beta > 0 and ref_params is None:
     raise ValueError('nft kl_beta > 0 needs ref_params')
   tb = t.reshape((-1,) + (1,) * (x0.ndim - 1))
+  if valid is not None:     # a failed sample may be non-finite: a NaN would reach the gradient through 0 x NaN
+    x0 = jnp.where(valid.reshape(tb.shape), x0, 0.0).astype(x0.dtype)
   x_t = (1.0 - tb) * x0 + tb * noise
   v = apply_fn(params, x_t, t, cond).astype(jnp.float32)
   v_old = jax.lax.stop_gradient(apply_fn(old_params, x_t, t, cond).astype(jnp.float32))
