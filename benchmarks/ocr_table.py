@@ -10,7 +10,8 @@ Every cell (method, seed) starts from configs/ocr_tiny.py's shipped base model a
 iterations of 8 prompts x 8 rollouts with the same SDE sampler (methods differ in their objective; the
 presets in configs/common.py cite the code each follows). The seed changes the RL randomness (prompts,
 rollout noise, steps); the base model and the evaluation (prompts, seeds) are the same for every cell.
-Every --eval_every iterations a cell is checkpointed and evaluated by ddrl_jax.evaluate.evaluate_ocr:
+Each cell's training metrics go to its workdir's metrics.jsonl (and TensorBoard events), as the trainer's
+own loop writes them. Every --eval_every iterations a cell is checkpointed and evaluated by ddrl_jax.evaluate.evaluate_ocr:
 held-out OCR by the training reader (Tesseract) and by a second reader (RapidOCR / PP-OCR), style drift to
 the data and from the base's own samples, diversity, the texture and colour statistics, held-out diffusion
 loss. Rows are appended to <workdir>/evaluations.jsonl as they are made, so a killed or budgeted run
@@ -42,6 +43,7 @@ from configs import ocr_tiny
 from ddrl_jax import evaluate as evaluate_lib
 from ddrl_jax import flops as flops_lib
 from ddrl_jax import image_grid
+from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import xla_flags
 
@@ -180,16 +182,19 @@ class Runner:
     if not self.recorded(method, seed, start):
       grid, _ = self.evaluate(config, trainer, method, seed, start, seconds)
     it = start
+    writer = metrics_lib.MetricWriter(trainer.workdir, resume_step=start)   # the cell's training curves
     while it < a.iterations and not self.out_of_time():
       stop = min(a.iterations, (it // a.eval_every + 1) * a.eval_every)
       t0 = time.perf_counter()
       for i in range(it, stop):
-        trainer.train_iteration(i)
+        writer.write(i + 1, trainer.train_iteration(i))
       seconds += time.perf_counter() - t0
       it = stop
+      writer.flush()
       trainer.save()
       trainer.ckpt.wait_until_finished()
       grid, _ = self.evaluate(config, trainer, method, seed, it, seconds)
+    writer.close()
     if grid is not None and seed == min(s for m, s in self.cells if m == method):
       image_grid.write_grid(os.path.join(a.out, f'ocr_methods_{method}.png'), grid,
                             columns=a.per_prompt * 2)

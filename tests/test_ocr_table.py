@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
 
 import ocr_table  # pylint: disable=wrong-import-position
+from ddrl_jax import metrics as metrics_lib  # pylint: disable=wrong-import-position
 
 
 def test_cells_are_seed_major_and_checked():
@@ -68,6 +69,8 @@ def test_a_budgeted_run_resumes_without_repeating_work(tmp_path):
   assert rows[-1]['train_seconds'] > rows[-2]['train_seconds'] > 0
   assert all(np.isfinite(r['ocr_heldout']) for r in rows)
   assert 'style_drift_from_reference' in rows[-1]
+  curves = [r for r in metrics_lib.read_metrics(work / 'ddrl' / 'seed0') if 'loss' in r]
+  assert [r['step'] for r in curves] == [1, 2] and all(np.isfinite(r['reward_mean']) for r in curves)
   with open(out / 'ocr_methods.jsonl', encoding='utf-8') as f:
     assert len([json.loads(line) for line in f]) == 4
   assert (out / 'ocr_methods_ddrl.png').exists() and (out / 'ocr_methods_base.png').exists()
