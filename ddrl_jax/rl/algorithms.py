@@ -115,11 +115,11 @@ def _step_inputs(picked):
   return samplers.StepInputs(**{f: picked[f] for f in samplers.StepInputs._fields})
 
 
-def _f32_zeros(tree):
+def f32_zeros(tree):
   return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
 
-def _accumulate(acc, grads, scale=1.0):
+def accumulate(acc, grads, scale=1.0):
   return jax.tree.map(lambda a, g: a + scale * g.astype(jnp.float32), acc, grads)
 
 
@@ -131,16 +131,16 @@ def data_loss_and_grad(apply_fn, params, sampler, traj, steps, data, key):
   if data.steps != 'full':
     value, grads = jax.value_and_grad(
         lambda p: data_loss(apply_fn, p, sampler, traj, steps, data, key))(params)
-    return value, _accumulate(_f32_zeros(params), grads)
+    return value, accumulate(f32_zeros(params), grads)
 
   def body(acc, xs):
     step, step_key = xs
     inp = _step_inputs(samplers.gather_step(traj, step))
     value, grads = jax.value_and_grad(
         lambda p: _data_loss_at(apply_fn, p, sampler, inp, traj.noise, data, step_key))(params)
-    return _accumulate(acc, grads, 1.0 / num_k), value
+    return accumulate(acc, grads, 1.0 / num_k), value
 
-  grads, per_step = jax.lax.scan(body, _f32_zeros(params),
+  grads, per_step = jax.lax.scan(body, f32_zeros(params),
                                  (jnp.moveaxis(steps, -1, 0), jax.random.split(k_steps, num_k)))
   return per_step.mean(), grads
 
@@ -253,9 +253,9 @@ def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, k
 
   def body(acc, step_k):      # step_k (B, N): this step's inputs are gathered here, one step at a time
     (_, out), grads = jax.value_and_grad(step, has_aux=True)(params, samplers.gather_step(traj, step_k))
-    return _accumulate(acc, grads, loss_scale / num_k), out
+    return accumulate(acc, grads, loss_scale / num_k), out
 
-  grads, per_step = jax.lax.scan(body, _f32_zeros(params), jnp.moveaxis(steps, -1, 0))
+  grads, per_step = jax.lax.scan(body, f32_zeros(params), jnp.moveaxis(steps, -1, 0))
   metrics = _step_metrics(per_step)
   total = metrics['pg_loss']
   if kl_beta > 0:
@@ -263,7 +263,7 @@ def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, k
   if data is not None:
     metrics['data_loss'], data_grads = data_loss_and_grad(apply_fn, params, sampler, traj, steps, data,
                                                           key)
-    grads = _accumulate(grads, data_grads, loss_scale * data.beta)
+    grads = accumulate(grads, data_grads, loss_scale * data.beta)
     total = total + data.beta * metrics['data_loss']
   total = loss_scale * total
   metrics['loss'] = total
@@ -328,7 +328,7 @@ def step_kl(mean_theta, mean_ref, std, sigma_in, sigma_next, sampler_kind, form=
   return sq / (2.0 * scale**2)
 
 
-def _sample_mean(per_sample, keep):
+def sample_mean(per_sample, keep):
   """Mean of (B, N) per-sample terms over all samples (keep None) or over the kept ones."""
   if keep is None:
     return per_sample.mean()
@@ -345,7 +345,7 @@ def _policy_step(apply_fn, sampler, advantages, cond, params, pick, *, ref_param
   lr = policy.log_ratio(pick['x_next'], mean_theta, mean_old, pick['std'], log_ratio_form)
   pg, ratio, clipped = policy.clipped_policy_loss(advantages, lr, clip_range)
   keep = advantages != 0 if drop_zero_advantages else None
-  out = dict(pg_loss=_sample_mean(pg, keep), ratio_mean=ratio.mean(),
+  out = dict(pg_loss=sample_mean(pg, keep), ratio_mean=ratio.mean(),
              ratio_max_dev=jnp.abs(ratio - 1.0).max(), clipfrac=clipped.mean(),
              approx_kl=0.5 * (lr**2).mean())
   if keep is not None:
@@ -355,7 +355,7 @@ def _policy_step(apply_fn, sampler, advantages, cond, params, pick, *, ref_param
     mean_ref = jax.lax.stop_gradient(sampler.batched_step(apply_fn, ref_params, inp, cond)[0])
     kl = step_kl(mean_theta, mean_ref, pick['std'], pick['sigma_in'], pick['sigma_next'], sampler.kind,
                  kl_form)
-    out['kl'] = _sample_mean(kl, keep)
+    out['kl'] = sample_mean(kl, keep)
     term = term + kl_beta * out['kl']
   return term, out
 

@@ -36,6 +36,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ddrl_jax.rl import algorithms
+
 # DiffusionNFT's `return_decay` schedules of the old policy: (flat steps, rate per step, cap).
 OLD_DECAY_SCHEDULES = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
 
@@ -68,13 +70,6 @@ def optimality_weights(advantages, adv_clip_max):
 
 def _per_sample_mean(a):
   return a.reshape(a.shape[0], -1).mean(axis=-1)
-
-
-def _masked_mean(per_sample, valid=None):
-  """Mean of (M,) terms over all samples, or over the `valid` ones (0 when there are none)."""
-  if valid is None:
-    return per_sample.mean()
-  return jnp.where(valid, per_sample, 0.0).sum() / jnp.maximum(valid.sum(), 1)
 
 
 def step_loss(apply_fn, params, old_params, ref_params, x0, t, noise, cond, r, *, beta, adv_clip_max,
@@ -112,7 +107,7 @@ def step_loss(apply_fn, params, old_params, ref_params, x0, t, noise, cond, r, *
   positive = _per_sample_mean(err_pos**2) / w_pos
   negative = _per_sample_mean(err_neg**2) / w_neg
   per_sample = (r * positive + (1.0 - r) * negative) / beta
-  mean = functools.partial(_masked_mean, valid=valid)
+  mean = lambda per_sample: algorithms.sample_mean(per_sample, valid)
   policy = mean(per_sample * adv_clip_max)
   metrics = dict(nft_policy_loss=policy, nft_unweighted_loss=mean(per_sample),
                  nft_old_deviation=mean(_per_sample_mean((v - v_old)**2)), nft_r_mean=mean(r))
@@ -178,11 +173,10 @@ def nft_loss_and_grad(apply_fn, params, old_params, ref_params, traj, advantages
     args = _step_args(traj, advantages, cond, step_k, k, adv_clip_max)
     (value, metrics), grads = jax.value_and_grad(
         lambda p: step(p, old_params, ref_params, *args), has_aux=True)(params)
-    acc = jax.tree.map(lambda a, g: a + (loss_scale / num_k) * g.astype(jnp.float32), acc, grads)
+    acc = algorithms.accumulate(acc, grads, loss_scale / num_k)
     return acc, (value, metrics)
 
-  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params)
-  grads, (losses, metrics) = jax.lax.scan(body, zeros, (jnp.moveaxis(steps, -1, 0), keys))
+  grads, (losses, metrics) = jax.lax.scan(body, algorithms.f32_zeros(params), (jnp.moveaxis(steps, -1, 0), keys))
   metrics = {k: v.mean() for k, v in metrics.items()}
   metrics['loss'] = loss_scale * losses.mean()
   return metrics['loss'], metrics, grads
