@@ -22,7 +22,8 @@ not counted).
 Outputs in --out (benchmarks/): ocr_methods.jsonl (every evaluation, with command, date and machine),
 ocr_methods.png (held-out OCR against drift from the base, and Tesseract against RapidOCR, over
 training; means over seeds), ocr_methods_<method>.png (samples of the first seed at its last evaluation),
-and the markdown table (mean and 95% t-interval over seeds at the last common iteration) on stdout.
+and on stdout two markdown tables: mean and 95% t-interval over seeds at each method's last common
+iteration, and DDRL minus every other method (Welch 95% intervals) with DDRL's share of its OCR gain.
 (ocr_table.jsonl / ocr_table*.png are the earlier 80-iteration, one-seed table of RESULTS.md.)
 """
 import argparse
@@ -284,6 +285,73 @@ def table(rows):
   return '\n'.join(lines)
 
 
+# The paper's expectations (issue 14, item 6) compare DDRL against every other method on these.
+CONTRAST_KEYS = (
+    ('ocr_heldout', 'Tesseract', '.3f'),
+    ('ocr_heldout_rapid', 'RapidOCR', '.3f'),
+    ('reader_gap', 'reader gap', '.3f'),
+    ('style_drift_from_reference', 'drift from base', '.2f'),
+    ('heldout_diffusion_loss', 'held-out diffusion loss', '.4f'),
+    ('diversity', 'diversity', '.2f'),
+    ('patch_grid_energy', 'patch-grid energy', '.3f'),
+    ('colour_spread', 'colour spread', '.2f'),
+)
+
+
+def welch_interval(a, b, confidence=0.95):
+  """(mean(a) - mean(b), half-width of Welch's two-sided t interval); half-width nan if either has
+  fewer than two values."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  diff = float(a.mean() - b.mean())
+  if a.size < 2 or b.size < 2:
+    return diff, float('nan')
+  va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+  se = math.sqrt(va + vb)
+  if se == 0:
+    return diff, 0.0
+  dof = (va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))
+  return diff, float(stats.t.ppf(0.5 + confidence / 2, dof) * se)
+
+
+def contrasts(rows, reference='ddrl'):
+  """Markdown: `reference` minus every other trained method at the pair's last common iteration, mean
+  difference ± Welch 95% half-width over seeds per key (no interval where a side has one seed), and the
+  reference's Tesseract gain over the base as a share of the method's."""
+  cells = by_cell(rows)
+  if reference not in cells or 'base' not in cells:
+    return ''
+  base = cells['base'][0][0]
+  head = ['method', 'iteration', 'seeds (DDRL, method)', 'DDRL gain / method gain (Tesseract)'] + [
+      f'DDRL - method: {title}' for _, title, _ in CONTRAST_KEYS]
+  lines = ['| ' + ' | '.join(head) + ' |', '|---' * len(head) + '|']
+  for method, seeds in cells.items():
+    if method in ('base', reference):
+      continue
+    both = list(cells[reference].values()) + list(seeds.values())
+    common = set.intersection(*(set(evals) for evals in both))
+    if not common:
+      continue
+    it = max(common)
+    ref_rows = [evals[it] for evals in cells[reference].values()]
+    rows_m = [evals[it] for evals in seeds.values()]
+    gain_ref = np.mean([r['ocr_heldout'] for r in ref_rows]) - base['ocr_heldout']
+    gain_m = np.mean([r['ocr_heldout'] for r in rows_m]) - base['ocr_heldout']
+    share = f'{gain_ref / gain_m:.0%}' if gain_m > 0 else f'(method gain {gain_m:+.3f})'
+    texts = []
+    for key, _, fmt in CONTRAST_KEYS:
+      a = [r[key] for r in ref_rows if key in r]
+      b = [r[key] for r in rows_m if key in r]
+      if not (a and b):
+        texts.append('-')
+        continue
+      diff, half = welch_interval(a, b)
+      texts.append(f'{diff:+{fmt}}' + (f' ± {half:{fmt}}' if np.isfinite(half) else ''))
+    lines.append(f'| {LABELS.get(method, method)} | {it} | {len(ref_rows)}, {len(rows_m)} | {share} | ' +
+                 ' | '.join(texts) + ' |')
+  return '\n'.join(lines)
+
+
 def curves(rows, key):
   """{method: (iterations, means over seeds)} of `key` at the iterations every seed reached."""
   out = {}
@@ -336,6 +404,8 @@ def report(rows, out):
       f.write(json.dumps(r) + '\n')
   plot(rows, os.path.join(out, 'ocr_methods.png'))
   print(table(rows))
+  print()
+  print(contrasts(rows))
 
 
 def parse_args(argv=None):

@@ -76,3 +76,30 @@ def test_a_budgeted_run_resumes_without_repeating_work(tmp_path):
   assert (out / 'ocr_methods_ddrl.png').exists() and (out / 'ocr_methods_base.png').exists()
   ocr_table.main(argv)                                  # finished: nothing trains or evaluates again
   assert len(ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))) == 4
+
+
+def test_welch_interval_matches_scipy():
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  a, b = [0.42, 0.39, 0.47], [0.64, 0.55, 0.61, 0.70]
+  diff, half = ocr_table.welch_interval(a, b)
+  low, high = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+  np.testing.assert_allclose([diff - half, diff + half], [low, high], rtol=1e-10)
+  assert np.isnan(ocr_table.welch_interval([0.4], b)[1])
+
+
+def test_contrasts_against_ddrl():
+  rows = [_row('base', 0, 0, 0.25)]
+  rows += [_row('ddrl', s, it, 0.25 + 0.1 * (it > 0) + 0.01 * s, style_drift_from_reference=5.0 + s)
+           for s in range(3) for it in (0, 200)]
+  rows += [_row('flow_grpo', s, it, 0.25 + 0.2 * (it > 0) + 0.01 * s, style_drift_from_reference=20.0 + s)
+           for s in range(3) for it in (0, 200)]
+  rows += [_row('dance_grpo', 0, it, 0.2) for it in (0, 100)]      # one seed, stopped early, OCR fell
+  text = ocr_table.contrasts(rows)
+  lines = text.splitlines()
+  assert len(lines) == 4
+  # gains 0.11 and 0.21; both sides have sd 0.01 over 3 seeds: se = 0.01 sqrt(2/3), Welch dof 4,
+  # t(0.975, 4) = 2.776445, so the half-width is 0.0227 (OCR) and 2.27 (drift, sd 1)
+  assert lines[2].startswith('| FlowGRPO | 200 | 3, 3 | 52% | -0.100 ± 0.023 | - | - | -15.00 ± 2.27 |')
+  # DanceGRPO's one seed stopped at 100, DDRL's rows are at 0 and 200: compared at 0, no interval
+  assert lines[3].startswith('| DanceGRPO | 0 | 3, 1 | (method gain -0.050) | +0.060 | - |')
+  assert ocr_table.contrasts([r for r in rows if r['method'] != 'ddrl']) == ''
