@@ -22,6 +22,8 @@ TEST_TIMEOUT_S = 600   # a test running longer than this is a hang: it fails ins
 def pytest_configure(config):
   if not config.pluginmanager.hasplugin('timeout'):
     raise pytest.UsageError("the test suite needs pytest-timeout: pip install -e '.[test]'")
+  if config.option.durations is None:   # the slowest tests in every log: the suite has a time budget
+    config.option.durations = 25
 
 
 def pytest_collection_modifyitems(items):
