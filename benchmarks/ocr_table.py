@@ -22,8 +22,9 @@ not counted).
 Outputs in --out (benchmarks/): ocr_methods.jsonl (every evaluation, with command, date and machine),
 ocr_methods.png (held-out OCR against drift from the base, and Tesseract against RapidOCR, over
 training; means over seeds), ocr_methods_<method>.png (samples of the first seed at its last evaluation),
-and on stdout two markdown tables: mean and 95% t-interval over seeds at each method's last common
-iteration, and DDRL minus every other method (Welch 95% intervals) with DDRL's share of its OCR gain.
+and on stdout three markdown tables: mean and 95% t-interval over seeds at each method's last common
+iteration; DDRL minus every other method (Welch 95% intervals) with DDRL's share of its OCR gain; and
+every method at the first evaluation where it reached DDRL's final OCR (regularization at equal reward).
 (ocr_table.jsonl / ocr_table*.png are the earlier 80-iteration, one-seed table of RESULTS.md.)
 """
 import argparse
@@ -366,6 +367,32 @@ def curves(rows, key):
   return out
 
 
+def at_matched_reward(rows, reference='ddrl'):
+  """Markdown: every method at the first evaluation where its seed-mean Tesseract OCR reached the
+  reference's at the reference's last common iteration (the paper compares regularization at comparable
+  reward), mean ± 95% t half-width over seeds of the CONTRAST_KEYS; a method that never reached it is
+  listed at its best evaluation, marked as such."""
+  cells = by_cell(rows)
+  ref = curves(rows, 'ocr_heldout').get(reference)
+  if ref is None:
+    return ''
+  target = float(ref[1][-1])
+  head = ['method', 'iteration', 'seeds'] + [title for _, title, _ in CONTRAST_KEYS]
+  lines = [f'(reward level: {LABELS.get(reference, reference)} at iteration {int(ref[0][-1])}, '
+           f'Tesseract {target:.3f})', '',
+           '| ' + ' | '.join(head) + ' |', '|---' * len(head) + '|']
+  for method, (its, means) in curves(rows, 'ocr_heldout').items():
+    reached = np.flatnonzero(means >= target - 1e-12)
+    k = int(reached[0]) if reached.size else int(np.argmax(means))
+    it = int(its[k])
+    at = [evals[it] for evals in cells[method].values()]
+    texts = [cell_text(t_interval([r[key] for r in at]), fmt) if all(key in r for r in at) else '-'
+             for key, _, fmt in CONTRAST_KEYS]
+    label = LABELS.get(method, method) + ('' if reached.size else ' (never reached; its best)')
+    lines.append(f'| {label} | {it} | {len(at)} | ' + ' | '.join(texts) + ' |')
+  return '\n'.join(lines)
+
+
 def plot(rows, path):
   """Two panels over training (seed means): held-out OCR against style drift from the base, and the
   training reader's OCR against the held-out reader's (below the diagonal: Tesseract-specific gains)."""
@@ -406,6 +433,8 @@ def report(rows, out):
   print(table(rows))
   print()
   print(contrasts(rows))
+  print()
+  print(at_matched_reward(rows))
 
 
 def parse_args(argv=None):

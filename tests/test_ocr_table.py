@@ -103,3 +103,20 @@ def test_contrasts_against_ddrl():
   # DanceGRPO's one seed stopped at 100, DDRL's rows are at 0 and 200: compared at 0, no interval
   assert lines[3].startswith('| DanceGRPO | 0 | 3, 1 | (method gain -0.050) | +0.060 | - |')
   assert ocr_table.contrasts([r for r in rows if r['method'] != 'ddrl']) == ''
+
+
+def test_methods_are_compared_where_they_reach_ddrls_reward():
+  rows = [_row('base', 0, 0, 0.25, style_drift_from_reference=0.0)]
+  for s in range(2):
+    rows += [_row('ddrl', s, it, ocr, style_drift_from_reference=d + s)
+             for it, ocr, d in ((0, 0.25, 0.0), (25, 0.30, 2.0), (50, 0.35, 4.0))]
+    rows += [_row('flow_grpo', s, it, ocr, style_drift_from_reference=d + s)   # passes 0.35 at 25
+             for it, ocr, d in ((0, 0.25, 0.0), (25, 0.36, 9.0), (50, 0.50, 20.0))]
+    rows += [_row('dance_grpo', s, it, ocr, style_drift_from_reference=1.0)    # never gets there
+             for it, ocr in ((0, 0.25), (25, 0.31), (50, 0.28))]
+  lines = ocr_table.at_matched_reward(rows).splitlines()
+  assert lines[0] == '(reward level: DDRL at iteration 50, Tesseract 0.350)'
+  # two seeds: half-width t(0.975, 1) x sd / sqrt 2 = 12.706205 x 0.5 for the drift
+  assert lines[4].startswith('| DDRL | 50 | 2 | 0.350 ± 0.000 |') and '| 4.50 ± 6.35 |' in lines[4]
+  assert lines[5].startswith('| FlowGRPO | 25 | 2 | 0.360 ± 0.000 |') and '| 9.50 ± 6.35 |' in lines[5]
+  assert lines[6].startswith('| DanceGRPO (never reached; its best) | 25 | 2 | 0.310 ± 0.000 |')
