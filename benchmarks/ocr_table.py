@@ -259,13 +259,18 @@ def cell_text(stat, fmt):
   return f'{mean:{fmt}}' if not np.isfinite(half) else f'{mean:{fmt}} ± {half:{fmt}}'
 
 
+def markdown_head(head):
+  """The header and separator lines of a markdown table with columns `head`."""
+  return ['| ' + ' | '.join(head) + ' |', '|---' * len(head) + '|']
+
+
 def table(rows):
   """Markdown: mean ± 95% half-width over seeds per method at its last common iteration."""
   summ = summary(rows)
   present = [c for c in COLUMNS if any(c[0] in s[2] for s in summ.values())]
   head = ['method', 'iteration', 'seeds'] + [title for _, title, _ in present] + [
       'passes / condition / iteration (rollout + training)', 'train time (min)']
-  lines = ['| ' + ' | '.join(head) + ' |', '|---' * len(head) + '|']
+  lines = markdown_head(head)
   base = summ.get('base')
   if base is not None:
     cells = []
@@ -325,7 +330,7 @@ def contrasts(rows, reference='ddrl'):
   base = cells['base'][0][0]
   head = ['method', 'iteration', 'seeds (DDRL, method)', 'DDRL gain / method gain (Tesseract)'] + [
       f'DDRL - method: {title}' for _, title, _ in CONTRAST_KEYS]
-  lines = ['| ' + ' | '.join(head) + ' |', '|---' * len(head) + '|']
+  lines = markdown_head(head)
   for method, seeds in cells.items():
     if method in ('base', reference):
       continue
@@ -373,15 +378,15 @@ def at_matched_reward(rows, reference='ddrl'):
   reward), mean ± 95% t half-width over seeds of the CONTRAST_KEYS; a method that never reached it is
   listed at its best evaluation, marked as such."""
   cells = by_cell(rows)
-  ref = curves(rows, 'ocr_heldout').get(reference)
+  ocr = curves(rows, 'ocr_heldout')
+  ref = ocr.get(reference)
   if ref is None:
     return ''
   target = float(ref[1][-1])
   head = ['method', 'iteration', 'seeds'] + [title for _, title, _ in CONTRAST_KEYS]
   lines = [f'(reward level: {LABELS.get(reference, reference)} at iteration {int(ref[0][-1])}, '
-           f'Tesseract {target:.3f})', '',
-           '| ' + ' | '.join(head) + ' |', '|---' * len(head) + '|']
-  for method, (its, means) in curves(rows, 'ocr_heldout').items():
+           f'Tesseract {target:.3f})', ''] + markdown_head(head)
+  for method, (its, means) in ocr.items():
     reached = np.flatnonzero(means >= target - 1e-12)
     k = int(reached[0]) if reached.size else int(np.argmax(means))
     it = int(its[k])
