@@ -16,7 +16,7 @@ def test_cells_are_seed_major_and_checked():
   assert ocr_table.parse_cells('ddrl:0,1;dance_grpo:0;ddrl:1') == [
       ('ddrl', 0), ('dance_grpo', 0), ('ddrl', 1)]
   cells = ocr_table.parse_cells(ocr_table.DEFAULT_CELLS)
-  assert len(cells) == 15 and cells[:7] == [(m, 0) for m in (
+  assert len(cells) == 17 and cells[:7] == [(m, 0) for m in (
       'ddrl', 'flow_grpo', 'dance_grpo', 'diffusion_nft', 'ddrl_reduced', 'ddrl_synthetic',
       'flow_grpo_exact_kl')]
   with pytest.raises(ValueError, match='method:seed'):
