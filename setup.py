@@ -56,7 +56,9 @@ setup(
         'tpu': ['jax[tpu]==0.10.2', 'gcsfs', 'google-cloud-storage'],
         'cuda': ['jax[cuda12]==0.10.2'],
         # PyTorch references for parity tests (diffusers' Cosmos/Wan modules, BERT); pytest-timeout makes
-        # a hang fail its test (tests/conftest.py) instead of stalling CI.
-        'test': ['pytest', 'pytest-timeout', 'portpicker', 'diffusers==0.39.0'] + TEXT + VIDEO + CONVERT,
+        # a hang fail its test (tests/conftest.py) instead of stalling CI; pytest-xdist runs test files
+        # in parallel processes (the README's `-n auto --dist loadfile`: a file's fixtures are built once).
+        'test': ['pytest', 'pytest-timeout', 'pytest-xdist', 'portpicker', 'diffusers==0.39.0']
+                + TEXT + VIDEO + CONVERT,
     },
 )
