@@ -57,7 +57,8 @@ setup(
         'cuda': ['jax[cuda12]==0.10.2'],
         # PyTorch references for parity tests (diffusers' Cosmos/Wan modules, BERT); pytest-timeout makes
         # a hang fail its test (tests/conftest.py) instead of stalling CI; pytest-xdist runs test files
-        # in parallel processes (the README's `-n auto --dist loadfile`: a file's fixtures are built once).
+        # in parallel processes (the README's `-n auto --dist loadfile` keeps each file on one worker, so
+        # its module fixtures are not rebuilt per worker).
         'test': ['pytest', 'pytest-timeout', 'pytest-xdist', 'portpicker', 'diffusers==0.39.0']
                 + TEXT + VIDEO + CONVERT,
     },
