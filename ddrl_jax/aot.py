@@ -31,6 +31,7 @@ from ml_collections import config_flags
 
 from ddrl_jax import cli
 from ddrl_jax import config as config_lib
+from ddrl_jax import console
 from ddrl_jax import distributed
 from ddrl_jax import optim
 from ddrl_jax import parallel
@@ -54,7 +55,6 @@ def _define_flags():
   _OUT = flags.DEFINE_string('out', '', 'Also append the JSON lines to this file.')
   _FNS = flags.DEFINE_list('fns', list(FUNCTIONS), f'Functions to compile, of {FUNCTIONS}.')
   _MARGIN = flags.DEFINE_float('margin', 0.0, 'Fail unless this fraction of HBM stays free.')
-  flags.mark_flags_as_required(['config', 'topology'])
   distributed.define_flags()
 
 
@@ -206,6 +206,7 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
 
 
 def main(argv):
+  console.setup()
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments {argv[1:]} (flags are --name=value)')
   bad = [f for f in _FNS.value if f not in FUNCTIONS]
@@ -232,4 +233,4 @@ def main(argv):
 if __name__ == '__main__':
   xla_flags.apply()       # before any JAX backend starts
   _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, required=('config', 'topology'))

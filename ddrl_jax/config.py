@@ -12,12 +12,16 @@ ADV_TRANSFORMS = ('', 'neg_exp', 'exact')
 
 
 class ConfigError(ValueError):
-  """A bad config value; the message starts with the key."""
+  """A bad config value; the message starts with the key (`key`, when one key is at fault)."""
+
+  def __init__(self, message, key=None):
+    super().__init__(message)
+    self.key = key
 
 
 def _check(ok, key, value, why):
   if not ok:
-    raise ConfigError(f'config.{key}={value!r}: {why}')
+    raise ConfigError(f'config.{key}={value!r}: {why}', key)
 
 
 def sampler_kind(config):

@@ -29,6 +29,8 @@ from typing import Optional, Sequence
 
 import jax
 
+logger = logging.getLogger(__name__)
+
 # Environment variables by which a launcher marks a multi-process job (read without any network query).
 CLUSTER_MARKERS = (
     ('explicit', ('JAX_COORDINATOR_ADDRESS',)),
@@ -120,7 +122,8 @@ def initialize(options=None, environ=None):
     started = True
   info = dict(initialized=started or is_initialized(), cluster=cluster,
               process_index=jax.process_index(), process_count=jax.process_count())
-  log_topology(cluster)
+  if info['process_count'] > 1:    # one process: the trainer's sharding line already names the devices
+    log_topology(cluster)
   return info
 
 
@@ -133,9 +136,9 @@ def set_compilation_cache(path):
 def log_topology(cluster=None):
   """One line per process: index, count, its devices and the global device count."""
   local = jax.local_devices()
-  logging.warning('process %d of %d (%s): %d local devices %s (%s); %d devices in all',
-                  jax.process_index(), jax.process_count(), cluster or 'single process', len(local),
-                  [d.id for d in local], local[0].device_kind if local else '?', jax.device_count())
+  logger.info('process %d of %d (%s): %d local devices %s (%s); %d devices in all',
+              jax.process_index(), jax.process_count(), cluster or 'single process', len(local),
+              [d.id for d in local], local[0].device_kind if local else '?', jax.device_count())
 
 
 @contextlib.contextmanager

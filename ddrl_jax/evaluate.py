@@ -39,15 +39,14 @@ import json
 import os
 import time
 
-from absl import app
 from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
 from ddrl_jax import cli
+from ddrl_jax import console
 from ddrl_jax import parallel
 from ddrl_jax import image_grid
 from ddrl_jax import params_io
@@ -204,7 +203,7 @@ def _define_flags():
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  console.setup()
   config, ckpt = _CONFIG.value, _CHECKPOINT.value
   task, apply_fn, params = load_params(config, ckpt, _EMA.value)
   t0 = time.perf_counter()
@@ -222,4 +221,4 @@ def main(argv):
 
 if __name__ == '__main__':
   _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, required=('config',))

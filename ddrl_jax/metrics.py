@@ -2,13 +2,15 @@
 TensorBoard events under the workdir. A resumed run first drops what the steps it re-runs had written,
 so metrics.jsonl holds each step once and TensorBoard purges the re-run steps' events."""
 import json
+import logging
 import os
 
-from absl import logging
 from clu import metrics as clu_metrics
 import numpy as np
 
 from ddrl_jax import storage
+
+logger = logging.getLogger(__name__)
 
 
 WALL_CLOCK_METRICS = ('achieved_flops_per_s', 'mfu')   # computed from time_* (besides time_* themselves)
@@ -78,8 +80,8 @@ class MetricWriter:
       last_kept = resume_step if resume_step > 0 else -1
       dropped = truncate_metrics(self.path, last_kept)
       if dropped:
-        logging.warning('metrics.jsonl: dropped %d rows after step %d (they are re-run)', dropped,
-                        last_kept)
+        logger.info('metrics.jsonl: dropped %d rows after step %d (they are re-run)', dropped,
+                    last_kept)
       purge_step = last_kept + 1
     if self.remote:
       self._lines = (storage.read_text(self.path) or '').splitlines(keepends=True)

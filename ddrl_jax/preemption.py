@@ -7,13 +7,15 @@ Preemption notices arrive as SIGTERM (Cloud TPU maintenance events, SLURM time l
 `multihost_utils.reached_preemption_sync_point(step)` makes every host stop at the same step, so all of
 them save the same checkpoint; a SIGINT on any host is shared with a tiny all-gather at each step.
 """
+import logging
 import os
 import signal
 import threading
 
-from absl import logging
 import jax
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 class PreemptionGuard:
@@ -43,11 +45,11 @@ class PreemptionGuard:
     del frame
     name = signal.Signals(signum).name
     if self.received is not None:
-      logging.error('second signal (%s) while stopping: exiting now without saving', name)
+      logger.error('second signal (%s) while stopping: exiting now without saving', name)
       os._exit(128 + signum)      # skip cleanup that may itself be what hangs
     self.received = name
-    logging.warning('%s received: finishing the current iteration, then saving a checkpoint and '
-                    'exiting (send it again to exit at once)', name)
+    logger.info('%s received: finishing the current iteration, then saving a checkpoint and exiting '
+                '(send it again to exit at once)', name)
 
   def should_stop(self, step):
     """True when the run should save and stop after `step` (the same answer on every host)."""

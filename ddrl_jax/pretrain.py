@@ -14,14 +14,13 @@ export of the EMA weights (`export`, what config.ocr.base_checkpoint loads) next
 SIGTERM / SIGINT finish the running step, save the checkpoint and export, and exit 0 (a second signal
 exits at once); rerunning the same command resumes, and metrics.jsonl drops the rows of re-run steps.
 """
+import logging
 import os
 import queue
 import threading
 import time
 
-from absl import app
 from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
 from ml_collections import config_flags
@@ -31,6 +30,7 @@ import orbax.checkpoint as ocp
 import tqdm
 
 from ddrl_jax import cli
+from ddrl_jax import console
 from ddrl_jax import distributed
 from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
@@ -43,6 +43,8 @@ from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import xla_flags
 from ddrl_jax.parallel import hosts
 from ddrl_jax.rl import diffusion_loss
+
+logger = logging.getLogger(__name__)
 
 
 def make_step(apply_fn, optimizer, c):
@@ -130,7 +132,7 @@ def pretrain(config, workdir, progress=True):
   if start:
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), state)
     state = mngr.restore(start, args=ocp.args.StandardRestore(target))
-    logging.warning('resumed pretraining at step %d', start)
+    logger.info('resumed pretraining at step %d', start)
   step_fn = make_step(apply_fn, optimizer, c)
   sampler = trainer_lib.make_sampler(config).deterministic()
   main = distributed.is_main_process()
@@ -163,7 +165,7 @@ def pretrain(config, workdir, progress=True):
           writer.write(done, {f'eval_ema/{k}': v for k, v in metrics.items()})
           if main:
             image_grid.write_grid(os.path.join(workdir, 'samples', f'step_{done:07d}.png'), images)
-          logging.warning('step %d: %s', done, metrics)
+          logger.info('step %d: %s', done, metrics)
         stop = guard.should_stop(done)
         if done % c.checkpoint_every == 0 or done == c.steps or stop:
           mngr.save(done, args=ocp.args.StandardSave(dict(params=p, opt_state=o, ema=e)), force=True)
@@ -171,9 +173,9 @@ def pretrain(config, workdir, progress=True):
           params_io.save_params(os.path.join(workdir, 'export'), e)
         if stop:
           writer.flush()
-          logging.warning('stopped by %s after step %d of %d; saved checkpoint %d in %s. Rerun the same '
-                          'command to resume.', guard.received, done, c.steps, done,
-                          os.path.join(workdir, 'checkpoints'))
+          logger.info('stopped by %s after step %d of %d; saved checkpoint %d in %s. Rerun the same '
+                      'command to resume.', guard.received, done, c.steps, done,
+                      os.path.join(workdir, 'checkpoints'))
           break
   finally:
     bar.close()
@@ -192,9 +194,7 @@ def _define_flags():
 
 def main(argv):
   del argv
-  if _CONFIG.value is None or not _WORKDIR.value:
-    raise app.UsageError('--config and --workdir are required')
-  logging.set_verbosity(logging.WARNING)
+  console.setup()
   distributed.initialize(distributed.options_from_flags())      # before anything asks for devices
   with distributed.fail_fast():
     pretrain(_CONFIG.value, _WORKDIR.value)
@@ -203,4 +203,4 @@ def main(argv):
 if __name__ == '__main__':
   xla_flags.apply()       # before any JAX backend starts
   _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, required=('config', 'workdir'))

@@ -20,11 +20,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ddrl_jax import checkpoints as checkpoints_lib
+from ddrl_jax import console
 from ddrl_jax import storage
 from ddrl_jax.data import pipeline as data_pipeline
 from ddrl_jax.parallel import hosts
 
 OK, DAMAGED, INCOMPATIBLE = 0, 1, 2
+# orbax's warning, twice per saved item, when the items of a checkpoint are listed (item_metadata) before
+# any handler is registered; nothing is wrong: each item is then restored with explicit args.
+ORBAX_UNREGISTERED_ITEM = 'Item "%s" was found in the checkpoint, but could not'
+
+logger = logging.getLogger(__name__)
 
 
 class RunCheckpoints:
@@ -98,7 +104,7 @@ class RunCheckpoints:
         why = f'another process could not read it (processes {np.flatnonzero(status).tolist()})'
       else:
         why = f'{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ""}'
-      logging.warning('checkpoint %s is damaged (%s); trying an older one', self.step_dir(step), why)
+      logger.warning('checkpoint %s is damaged (%s); trying an older one', self.step_dir(step), why)
       damaged.append((step, why))
     if damaged:
       listing = '; '.join(f'{self.step_dir(s)}: {why}' for s, why in damaged)
@@ -112,7 +118,8 @@ class RunCheckpoints:
     path = self.step_dir(step)
     if checkpoints_lib.is_local(path):
       checkpoints_lib.verify(path)
-    metadata = self.manager.item_metadata(step)
+    with console.hidden('absl', ORBAX_UNREGISTERED_ITEM):     # orbax logs through absl
+      metadata = self.manager.item_metadata(step)
     if 'config' not in metadata:
       raise checkpoints_lib.DamagedCheckpoint(f'{path}: no config item')
     saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
@@ -121,7 +128,8 @@ class RunCheckpoints:
     else:
       changed = sum(checkpoints_lib.config_differences(saved, self.config.to_dict()), [])
     for key, old, new in changed:
-      logging.warning('resuming %s with %s changed: %r -> %r', path, key, old, new)
+      logger.info('%s %s with %s changed: %r -> %r', 'resuming' if strict else 'reading', path, key, old,
+                  new)
     items = dict(state=ocp.args.StandardRestore(target))
     if self.loader is not None and strict:    # readers (read_only) do not continue the record stream
       self._check_loader_state(path, metadata)
@@ -154,15 +162,15 @@ class RunCheckpoints:
   def _set_aside(self, steps):
     """Moves damaged step directories to <workdir>/checkpoints_damaged/ (a later save reuses the step)."""
     if jax.process_index() == 0 and storage.is_remote(self.dir):
-      logging.warning('damaged checkpoints %s left in place (%s is a bucket); a later save of the same '
-                      'step replaces them', steps, self.dir)
+      logger.warning('damaged checkpoints %s left in place (%s is a bucket); a later save of the same '
+                     'step replaces them', steps, self.dir)
     elif jax.process_index() == 0:
       dest = os.path.join(self.workdir, 'checkpoints_damaged')
       os.makedirs(dest, exist_ok=True)
       for step in steps:
         target = os.path.join(dest, f'{step}_{time.strftime("%Y%m%d-%H%M%S")}')
         shutil.move(self.step_dir(step), target)
-        logging.warning('moved damaged checkpoint %s to %s', self.step_dir(step), target)
+        logger.warning('moved damaged checkpoint %s to %s', self.step_dir(step), target)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices('ddrl_jax: damaged checkpoints set aside')

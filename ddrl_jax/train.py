@@ -10,10 +10,10 @@ second signal exits at once.
 """
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from ddrl_jax import cli
+from ddrl_jax import console
 from ddrl_jax import distributed
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import xla_flags
@@ -25,23 +25,22 @@ def _define_flags():
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (get_config(arg)).',
                                             lock_config=True)
   _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and samples go here.')
-  flags.mark_flags_as_required(['config', 'workdir'])
   distributed.define_flags()
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments {argv[1:]} (flags are --name=value)')
-  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  console.setup()          # ddrl_jax's INFO lines; orbax's (every save) hidden
   distributed.initialize(distributed.options_from_flags())      # before anything asks for devices
   with distributed.fail_fast():     # a failing host ends the job instead of leaving the others waiting
     trainer = trainer_lib.Trainer(_CONFIG.value, _WORKDIR.value)
     metrics = trainer.train()
   if trainer.stopped_by is None and metrics:
-    print('final: ' + ' '.join(f'{k}={v:.4g}' for k, v in sorted(metrics.items())))
+    print(console.summary_table(metrics, trainer.workdir, **trainer.run_summary()))
 
 
 if __name__ == '__main__':
   xla_flags.apply()       # before any JAX backend starts
   _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, required=('config', 'workdir'))

@@ -25,6 +25,7 @@ import numpy as np
 import tqdm
 
 from ddrl_jax import config as config_lib
+from ddrl_jax import console
 from ddrl_jax import distributed
 from ddrl_jax import flops as flops_lib
 from ddrl_jax import image_grid
@@ -47,6 +48,10 @@ from ddrl_jax.update import (  # pylint: disable=unused-import
     compute_advantages, make_sampler, init_train_state, make_update_fns, combine_metrics,
     make_train_step, jit_train_step, make_sample_fn, StepFns, uses_data_grads, build_step_fns, place_data,
     rollout_params)
+
+logger = logging.getLogger(__name__)
+# tqdm's rate and ETA would count the first iteration (compile); the pace is in the postfix instead.
+BAR_FORMAT = '{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]'
 
 
 def _event_logger(path):
@@ -77,6 +82,17 @@ def _throughput_postfix(avg):
   if 'mfu' in avg:
     out['mfu'] = f"{100 * avg['mfu']:.1f}%"
   return out
+
+
+def _bar_postfix(pace, shown):
+  """The progress bar's postfix: the pace (console.Pace.text) and the averaged metrics `shown`."""
+  return ', '.join(([pace.text()] if pace.text() else []) + [f'{k}={v}' for k, v in shown.items()])
+
+
+def _log_above(bar, level, msg, *args):
+  """Logs a line above the progress bar instead of through it."""
+  with bar.external_write_mode():
+    logger.log(level, msg, *args)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -117,6 +133,9 @@ class Trainer:
     self.iteration = None          # the iteration running now (events carry it)
     self._compiled = False         # set after the first iteration of the built functions (compiles)
     self.stopped_by = None         # the signal that stopped the last train() early, if any
+    self.pace = None               # console.Pace of the last train(): seconds per iteration after the first
+    self.last_evaluation = None    # the last evaluation's metrics row ({'step': s, 'eval/...': v})
+    self.last_samples = None       # the path of the last sample grid written
     if os.environ.get('DDRL_EVENT_LOG'):
       self.event_hooks.append(_event_logger(os.environ['DDRL_EVENT_LOG']))
 
@@ -175,7 +194,7 @@ class Trainer:
     else:
       self.rng = jax.random.wrap_key_data(restored.pop('rng'))
       self.state = TrainState(**{f: restored.get(f) for f in TrainState._fields})
-      logging.warning('resuming %s from step %d', self.workdir, int(self.state.step))
+      logger.info('resuming %s from step %d', self.workdir, int(self.state.step))
     return int(self.state.step)
 
   def _plan_state(self, abstract_params):
@@ -186,10 +205,10 @@ class Trainer:
     self.state_shardings = self.plan.state(abstract_state, self.optimizer)
     report = self.plan.check_params(abstract_state.params, self.state_shardings.params)
     opt = rules_lib.sharding_report(abstract_state.opt_state, self.state_shardings.opt_state)
-    logging.warning('sharding: mesh %s; parameters %.3f GiB per device of %.3f GiB (%.2f%% replicated), '
-                    'optimizer state %.3f GiB per device', dict(self.mesh.shape),
-                    report['per_device_bytes'] / 2**30, report['total_bytes'] / 2**30,
-                    100 * report['replicated_fraction'], opt['per_device_bytes'] / 2**30)
+    logger.info('sharding: mesh %s; parameters %.3f GiB per device of %.3f GiB (%.2f%% replicated), '
+                'optimizer state %.3f GiB per device', dict(self.mesh.shape),
+                report['per_device_bytes'] / 2**30, report['total_bytes'] / 2**30,
+                100 * report['replicated_fraction'], opt['per_device_bytes'] / 2**30)
     self.sharding_report = dict(params=report, opt_state=opt)
     self.cast_params = getattr(self.task, 'cast_params', None)
     return abstract_state
@@ -227,14 +246,14 @@ class Trainer:
     count = getattr(self.task, 'forward_flops_per_sample', None)
     self.forward_flops = float(count()) if count is not None else None
     if self.forward_flops is None:
-      logging.warning('task %s has no forward_flops_per_sample(): no FLOPs or MFU metrics',
-                      self.config.task)
+      logger.warning('task %s has no forward_flops_per_sample(): no FLOPs or MFU metrics',
+                     self.config.task)
     dtype = getattr(self.task, 'compute_dtype', 'float32')
     self.peak_flops = flops_lib.devices_peak_flops(self.mesh.devices.flat, dtype)
-    logging.warning('throughput: %s FLOPs per forward of one sample; peak of the %d %s devices for %s '
-                    'compute: %s', self.forward_flops, self.mesh.size,
-                    self.mesh.devices.flat[0].device_kind, dtype,
-                    f'{self.peak_flops:.4g} FLOP/s' if self.peak_flops else 'unknown (no mfu metric)')
+    logger.info('throughput: %s FLOPs per forward of one sample; peak of the %d %s devices for %s '
+                'compute: %s', self.forward_flops, self.mesh.size,
+                self.mesh.devices.flat[0].device_kind, dtype,
+                f'{self.peak_flops:.4g} FLOP/s' if self.peak_flops else 'unknown (no mfu metric)')
     if self.rewards is None and self.layout.slots.is_lead:   # replica hosts' rows are scored by their lead
       self.rewards = rewards_lib.make_reward_service(self.config.reward)
       if hasattr(self.rewards, 'check'):
@@ -304,7 +323,7 @@ class Trainer:
     mine = result.matrix(names)
     mine[~np.asarray(valid, bool)] = np.nan
     for message in result.errors[:5]:
-      logging.warning('reward: %s', message)
+      logger.warning('reward: %s', message)
     kinds = sorted(result.failures)
     split = self.layout.slots
     rewards = hosts.exchange(mine, split)
@@ -436,13 +455,16 @@ class Trainer:
     if media.ndim == 5:            # videos: sample i's frames on row i
       columns = media.shape[1]
       media = media[:8].reshape((-1,) + media.shape[2:])
-    image_grid.write_grid(os.path.join(self.workdir, 'samples', f'{name}_{it:06d}.png'), media, columns)
+    self.last_samples = os.path.join(self.workdir, 'samples', f'{name}_{it:06d}.png')
+    image_grid.write_grid(self.last_samples, media, columns)
 
   def train(self, progress=True):
     """Runs (or resumes) to config.num_iterations; returns the last logged metrics.
 
     A SIGTERM or SIGINT (or, on several hosts, JAX's preemption sync point) ends the loop after the
     running iteration with a checkpoint of it; `self.stopped_by` then names the signal.
+    The first iteration (it compiles) and the step-0 evaluation are timed in one INFO line; the
+    progress bar's s/it and time left (`self.pace`) count the iterations after the first.
     """
     c = self.config
     start = self.restore_or_init()
@@ -455,21 +477,29 @@ class Trainer:
     window = []
     bad_streak = 0                 # consecutive updates whose loss or parameters are non-finite
     self.stopped_by = None
+    self.pace = console.Pace(c.num_iterations - start)
+    shown = {}                     # the progress bar's averaged metrics
     bar = tqdm.tqdm(total=c.num_iterations, initial=start, disable=not (progress and main), desc=c.algorithm,
-                    dynamic_ncols=True)
+                    dynamic_ncols=True, bar_format=BAR_FORMAT)
     try:
       with preemption.PreemptionGuard() as guard:
+        eval_s = None
         if start == 0 and c.eval_every >= 0:
-          writer.write(0, self.evaluate(0))
+          t0 = time.perf_counter()
+          self._evaluate_and_write(writer, 0)
+          eval_s = time.perf_counter() - t0
         for it in range(start, c.num_iterations):
           self.iteration = it
           self.event('iteration_start')
+          t0 = time.perf_counter()
           metrics = self.train_iteration(it)
+          self.pace.done(t0, time.perf_counter())
+          if it == start:
+            _log_above(bar, logging.INFO, console.startup_line(self.pace.first_s, eval_s))
           step = it + 1
           writer.write(step, metrics)
           window.append(metrics)
           last = metrics
-          bar.update(1)
           finite = bool(np.isfinite(metrics['loss'])) and metrics['params_finite'] == 1.0
           bad_streak = 0 if finite else bad_streak + 1
           if bad_streak:
@@ -477,11 +507,13 @@ class Trainer:
           if step % c.log_every == 0 or step == c.num_iterations:
             avg = metrics_lib.average_metrics(window)
             window = []
-            bar.set_postfix(reward=f"{avg['reward_mean']:.3f}", loss=f"{avg['loss']:.4g}",
-                            **_throughput_postfix(avg))
+            shown = dict(reward=f"{avg['reward_mean']:.3f}", loss=f"{avg['loss']:.4g}",
+                         **_throughput_postfix(avg))
+          bar.set_postfix_str(_bar_postfix(self.pace, shown), refresh=False)
+          bar.update(1)
           if not bad_streak and (c.eval_every > 0 and step % c.eval_every == 0 or
                                  step == c.num_iterations):
-            writer.write(step, self.evaluate(step))
+            self._evaluate_and_write(writer, step)
           stop = guard.should_stop(step)
           if not bad_streak and (step % c.checkpoint_every == 0 or step == c.num_iterations or stop):
             self.save()
@@ -490,8 +522,8 @@ class Trainer:
             writer.flush()
             where = (f'checkpoint {self._step_dir(step)}' if not bad_streak else
                      f'the last finite checkpoint (step {self.ckpt.latest_step()})')
-            logging.warning('stopped by %s after step %d of %d; saved %s. Rerun the same command '
-                            'to resume.', guard.received, step, c.num_iterations, where)
+            _log_above(bar, logging.INFO, 'stopped by %s after step %d of %d; saved %s. Rerun the same '
+                       'command to resume.', guard.received, step, c.num_iterations, where)
             break
     finally:
       self.iteration = None
@@ -501,12 +533,26 @@ class Trainer:
       self.close_rewards()
     return last
 
+  def _evaluate_and_write(self, writer, step):
+    """Evaluates at `step`, writes the row and keeps it as `last_evaluation`."""
+    metrics = self.evaluate(step)
+    writer.write(step, metrics)
+    self.last_evaluation = dict(step=step, **metrics)
+
+  def run_summary(self):
+    """What `console.summary_table` shows of the last train() besides its final metrics."""
+    latest = self.ckpt.latest_step()
+    pace = self.pace or console.Pace(0)
+    return dict(evaluation=self.last_evaluation, seconds_per_iteration=pace.seconds_per_iteration,
+                first_iteration_s=pace.first_s, samples=self.last_samples,
+                checkpoint=None if latest is None else self._step_dir(latest))
+
   def _check_nonfinite(self, step, streak, metrics):
     """Logs a non-finite update; raises NonFiniteTrainingError after config.max_nonfinite_steps."""
     what = ', '.join(k for k, bad in (('loss', not np.isfinite(metrics['loss'])),
                                       ('parameters', metrics['params_finite'] != 1.0)) if bad)
-    logging.warning('step %d: non-finite %s (%d in a row; %d non-finite gradient entries zeroed); '
-                    'not checkpointed', step, what, streak, int(metrics['nonfinite_grads']))
+    logger.warning('step %d: non-finite %s (%d in a row; %d non-finite gradient entries zeroed); '
+                   'not checkpointed', step, what, streak, int(metrics['nonfinite_grads']))
     if streak >= self.config.max_nonfinite_steps:
       latest = self.ckpt.latest_step()
       kept = (f'the last good checkpoint, step {latest}, is kept in {self.ckpt_dir}'

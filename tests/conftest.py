@@ -1,4 +1,10 @@
-"""Shared test fixtures: a tiny velocity MLP with a jax apply_fn and an independent numpy forward."""
+"""Shared test fixtures: a tiny velocity MLP with a jax apply_fn and an independent numpy forward.
+
+Every test process and its subprocesses share a persistent XLA compilation cache (a compiled function is
+compiled once per suite, not once per test or process): DDRL_TEST_CACHE_DIR (.ci/run makes one per run)
+or tests/.jax_cache, in a subfolder named after the jax version.
+"""
+import os
 import types
 
 import jax
@@ -12,6 +18,19 @@ xla_flags.apply()   # the CLIs' XLA:CPU flags (ddrl_jax/xla_flags.py), before an
 jax.config.update('jax_num_cpu_devices', 8)
 jax.config.update('jax_platforms', 'cpu')
 
+
+def compilation_cache_dir():
+  """The tests' persistent compilation cache, keyed by the jax version."""
+  root = os.environ.get('DDRL_TEST_CACHE_DIR') or os.path.join(os.path.dirname(__file__), '.jax_cache')
+  return os.path.join(root, f'jax-{jax.__version__}')
+
+
+# Set in the environment too, so that the tests' subprocesses (CLIs, multi-process runs) read it.
+os.environ['JAX_COMPILATION_CACHE_DIR'] = compilation_cache_dir()
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.5'
+jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,6 +39,9 @@ TEST_TIMEOUT_S = 600   # a test running longer than this is a hang: it fails ins
 
 
 def pytest_configure(config):
+  config.addinivalue_line(
+      'markers', 'slow: the slow tier, left out of the README\'s test line (`-m "not slow"`); .ci/run runs it '
+      'as its own step (`-m slow`)')
   if not config.pluginmanager.hasplugin('timeout'):
     raise pytest.UsageError("the test suite needs pytest-timeout: pip install -e '.[test]'")
   if config.option.durations is None:   # the slowest tests in every log: the suite has a time budget

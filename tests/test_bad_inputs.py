@@ -8,6 +8,7 @@ reward service. benchmarks/RESULTS.md reports the count.
 """
 import ast
 import copy
+import logging
 import os
 import shutil
 import subprocess
@@ -139,29 +140,124 @@ def test_every_key_validate_checks_has_a_row():
 
 
 # ------------------------------------------------------------------------------------- CLI flags
+# (CLI module, arguments, words the one-line error must contain). Every row must exit 2 with exactly one
+# line on stderr, `error: <what> (<fix>); see `python -m <cli> --help``, and no traceback. Rows marked
+# `early` must fail while the flags are parsed, before any JAX work: they run with JAX_PLATFORMS naming
+# a platform that does not exist, so touching a JAX backend would fail differently.
+TRAIN = ['--config=configs/toy2d.py', '--workdir=W']
 CLI = [
-    (['--config=configs/toy2d.py', '--workdir=W', '--config.num_rolouts=8'],
-     'has no key config.num_rolouts (unknown keys are not accepted). Did you mean "num_rollouts"'),
-    (['--config=configs/toy2d.py', '--workdir=W', '--config.rl.no_such=1'], 'has no key config.rl.no_such'),
-    (['--config=configs/toy2d.py', '--workdir=W', '--config.num_rollouts=eight'],
-     "flag --config.num_rollouts=eight: invalid literal for int() with base 10: 'eight'"),
-    (['--config=configs/toy2d.py'], 'Flag --workdir must have a value other than None'),
-    (['--config=configs/toy2d.py:ppo', '--workdir=W'], "unknown config preset 'ppo'; known:"),
-    (['--config=configs/no_such.py', '--workdir=W'], 'No such file or directory'),
-    (['--config=configs/toy2d.py', '--workdir=W', 'stray'], "unexpected arguments ['stray']"),
-    (['--config=configs/toy2d.py', '--workdir=W', '--config.num_rollouts=1'],
-     'config.num_rollouts=1: need N >= 2'),
+    # train: every kind of mistake
+    ('missing flags', 'ddrl_jax.train', [], 'missing --config and --workdir (pass --config=<', True),
+    ('missing workdir', 'ddrl_jax.train', ['--config=configs/toy2d.py'], 'missing --workdir (pass', True),
+    ('no config file', 'ddrl_jax.train', ['--config=configs/no_such.py', '--workdir=W'],
+     'no such file configs/no_such.py (config files in configs/: ', True),
+    ('near config file', 'ddrl_jax.train', ['--config=configs/toy2.py', '--workdir=W'],
+     'did you mean configs/toy2d.py?', True),
+    ('unknown preset', 'ddrl_jax.train', ['--config=configs/toy2d.py:ppo', '--workdir=W'],
+     "unknown config preset 'ppo'; known: ", True),
+    ('wrong type', 'ddrl_jax.train', TRAIN + ['--config.num_rollouts=eight'],
+     "--config.num_rollouts=eight: invalid literal for int() with base 10: 'eight' (config.num_rollouts "
+     'takes int values)', True),
+    ('unknown key', 'ddrl_jax.train', TRAIN + ['--config.num_rolouts=8'],
+     'has no key config.num_rolouts (did you mean "num_rollouts"', True),
+    ('unknown nested key', 'ddrl_jax.train', TRAIN + ['--config.rl.no_such=1'], 'has no key config.rl.no_such', True),
+    ('unknown flag', 'ddrl_jax.train', TRAIN + ['--no_such_flag=1'], 'unknown flag --no_such_flag', True),
+    ('stray argument', 'ddrl_jax.train', TRAIN + ['stray'], "unexpected arguments ['stray']", True),
+    ('validate rejects', 'ddrl_jax.train', TRAIN + ['--config.num_rollouts=1'],
+     'config.num_rollouts=1: need N >= 2 rollouts per group for a group-relative advantage (change it '
+     'with --config.num_rollouts=... or in configs/toy2d.py)', False),
+    # the other CLIs
+    ('pretrain missing workdir', 'ddrl_jax.pretrain', ['--config=configs/ocr_tiny.py'], 'missing --workdir',
+     True),
+    ('evaluate unknown key', 'ddrl_jax.evaluate', ['--config=configs/ocr_tiny.py', '--config.no_such=1'],
+     'has no key config.no_such', True),
+    ('evaluate wrong type', 'ddrl_jax.evaluate', ['--config=configs/ocr_tiny.py', '--prompts=many'],
+     '--prompts=many: invalid literal for int()', True),
+    ('aot missing topology', 'ddrl_jax.aot', ['--config=configs/cosmos2b.py'], 'missing --topology', True),
+    ('aot no config file', 'ddrl_jax.aot', ['--config=configs/cosmos3b.py', '--topology=v5p-8'],
+     'no such file configs/cosmos3b.py', True),
+    ('synthesize unknown preset', 'ddrl_jax.data.synthesize', ['--config=configs/ocr_tiny.py:ppo',
+                                                               '--out=W'], "unknown config preset 'ppo'", True),
+    ('prepare missing source', 'ddrl_jax.data.prepare', ['--out=W'], 'missing --source', True),
+    ('prepare pixels without a size', 'ddrl_jax.data.prepare', ['--out=W', '--source=W'],
+     'without --config, the records hold pixels and need a size (pass --height and --width', True),
+    ('serve wrong type', 'ddrl_jax.rewards.serve', ['--workers=two'], '--workers takes int values', True),
+    ('convert missing flags', 'ddrl_jax.models.convert', [], 'the following arguments are required', True),
+    ('convert unknown model', 'ddrl_jax.models.convert', ['--source=W', '--model=sdxl', '--out=W'],
+     "invalid choice: 'sdxl'", True),
+    ('convert no source', 'ddrl_jax.models.convert', ['--source=W/none.pt', '--model=cosmos_tiny', '--out=W'],
+     'no such file', True),
 ]
+CLIS = ('ddrl_jax.train', 'ddrl_jax.pretrain', 'ddrl_jax.evaluate', 'ddrl_jax.aot', 'ddrl_jax.data.prepare',
+        'ddrl_jax.data.synthesize', 'ddrl_jax.rewards.serve', 'ddrl_jax.models.convert')
 
 
-@pytest.mark.parametrize('args,words', CLI, ids=[a[-1] for a, _ in CLI])
-def test_cli_rejects(args, words, tmp_path):
-  args = [a.replace('=W', f'={tmp_path}') for a in args]
-  out = subprocess.run([sys.executable, '-m', 'ddrl_jax.train'] + args, cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
-  assert out.returncode != 0
-  assert words in out.stderr, out.stderr[-2000:]
-  assert not os.path.exists(tmp_path / 'checkpoints')
+def _run_cli(module, args, tmp, early):
+  """Starts `python -m module args` (W in the arguments is the folder `tmp`); returns the Popen."""
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop('DDRL_TRACEBACK', None)
+  if early:
+    env['JAX_PLATFORMS'] = 'no_such_platform'
+  args = [a.replace('=W', f'={tmp}') for a in args]
+  return subprocess.Popen([sys.executable, '-m', module] + args, cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture(scope='module')
+def cli_answers(request, tmp_path_factory):
+  """{row name: (returncode, stdout, stderr, workdir)} of the selected CLI rows and `--help`s, run two at
+  a time (each run is mostly Python start-up and imports; the fast tier has the train rows only)."""
+  selected = {item.callspec.id for item in request.session.items
+              if getattr(item, 'callspec', None) and item.originalname in (
+                  'test_cli_mistake_is_one_line', 'test_cli_help_exits_0')}
+  rows = [(name, module, args, early) for name, module, args, _, early in CLI if name in selected]
+  rows += [(f'{module} --help', module, ['--help'], True) for module in CLIS if module in selected]
+  answers, running = {}, []
+  for name, module, args, early in rows:
+    tmp = tmp_path_factory.mktemp('cli')
+    running.append((name, tmp, _run_cli(module, args, tmp, early)))
+    while len(running) >= 2 or (running and name == rows[-1][0]):
+      done_name, done_tmp, proc = running.pop(0)
+      out, err = proc.communicate(timeout=300)
+      answers[done_name] = (proc.returncode, out, err, done_tmp)
+  return answers
+
+
+def _is_one_line_error(stderr, module):
+  lines = stderr.strip().splitlines()
+  return (len(lines) == 1 and lines[0].startswith('error: ')
+          and lines[0].endswith(f'; see `python -m {module} --help`'))
+
+
+def _tier(module):
+  return () if module == 'ddrl_jax.train' else (pytest.mark.slow,)
+
+
+@pytest.mark.parametrize('name,module,args,words,early',
+                         [pytest.param(*row, id=row[0], marks=_tier(row[1])) for row in CLI])
+def test_cli_mistake_is_one_line(name, module, args, words, early, cli_answers):  # pylint: disable=redefined-outer-name
+  del args, early
+  returncode, _, stderr, workdir = cli_answers[name]
+  assert returncode == 2, stderr[-2000:]
+  assert _is_one_line_error(stderr, module), stderr[-2000:]
+  assert words in stderr, stderr[-2000:]
+  assert not os.path.exists(workdir / 'checkpoints')
+
+
+@pytest.mark.parametrize('module', [pytest.param(m, id=m, marks=_tier(m)) for m in CLIS])
+def test_cli_help_exits_0(module, cli_answers):  # pylint: disable=redefined-outer-name
+  returncode, stdout, stderr, _ = cli_answers[f'{module} --help']
+  assert returncode == 0, stderr[-2000:]
+  assert '--' in stdout and 'error' not in stderr
+
+
+def test_cli_traceback_flag_shows_the_trace(tmp_path):
+  for extra, env in ((['--traceback'], {}), ([], {'DDRL_TRACEBACK': '1'})):
+    out = subprocess.run([sys.executable, '-m', 'ddrl_jax.train', '--config=configs/no_such.py',
+                          f'--workdir={tmp_path}'] + extra, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=ROOT, **env))
+    assert out.returncode != 0
+    assert 'Traceback (most recent call last)' in out.stderr and 'no such file' in out.stderr
 
 
 # ------------------------------------------------------------------------------------- records
@@ -272,6 +368,7 @@ def test_damaged_or_mismatched_checkpoint(name, damage, overrides, error, words,
 
 
 def test_safe_config_change_resumes_and_is_logged(trained, tmp_path, caplog):
+  caplog.set_level(logging.INFO, logger='ddrl_jax')      # a safe change is news, not a warning
   workdir = tmp_path / 'run'
   shutil.copytree(trained, workdir)
   c = small_config('ddrl', num_iterations=9, **{'optim.learning_rate': 1e-4})

@@ -45,7 +45,7 @@ def reference(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('reference')
   code, _, _, _, log = _cli(workdir)
   assert code == 0, log[-3000:]
-  assert 'final: ' in log
+  assert f'summary of {workdir}:' in log and f'{workdir}/checkpoints/6' in log
   assert sorted(int(s) for s in os.listdir(workdir / 'checkpoints')) == [2, 4, 6]   # max_checkpoints 3
   assert any(f.startswith('events') for f in os.listdir(workdir / 'tensorboard'))
   rows = ft.read_rows(workdir)

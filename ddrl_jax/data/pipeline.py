@@ -30,8 +30,8 @@ the decode runs there and the counters here stay 0.
 import bisect
 import hashlib
 import json
+import logging
 
-from absl import logging
 import grain
 import grain.checkpoint  # pylint: disable=unused-import
 import jax
@@ -39,6 +39,7 @@ import numpy as np
 
 from ddrl_jax.data import records as records_lib
 
+logger = logging.getLogger(__name__)
 RecordError = records_lib.RecordError
 
 
@@ -108,7 +109,7 @@ class Decode(grain.transforms.Map):
       if not self.skip_bad:
         raise
       self.num_skipped += 1
-      logging.warning('skipping bad record (%d skipped so far): %s', self.num_skipped, e)
+      logger.warning('skipping bad record (%d skipped so far): %s', self.num_skipped, e)
       return None
     record['_where'] = where
     return record

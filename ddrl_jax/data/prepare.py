@@ -22,13 +22,13 @@ and no text embedding.
 import json
 import os
 
-from absl import app
 from absl import flags
 from ml_collections import config_flags
 import numpy as np
 import tqdm
 
 from ddrl_jax import cli
+from ddrl_jax import console
 from ddrl_jax.data import media as media_lib
 from ddrl_jax.data import records as records_lib
 
@@ -204,6 +204,7 @@ def _define_flags():
 
 def main(fl):
   """Builds the task from the flags, runs prepare and prints the summary as JSON."""
+  console.setup()
   v = {k: h.value for k, h in fl.items()}
   if v['config'] is not None:
     from ddrl_jax import tasks  # pylint: disable=g-import-not-at-top
@@ -211,7 +212,8 @@ def main(fl):
     batch = v['batch'] or v['config'].get('cosmos', {}).get('vae_batch', 8)
   else:
     if not (v['height'] and v['width']):
-      raise app.UsageError('without --config, pass --height and --width (pixel records)')
+      raise cli.UsageError('without --config, the records hold pixels and need a size',
+                         'pass --height and --width, or --config')
     task = PixelTask(v['height'], v['width'], v['frames'])
     batch = v['batch'] or 8
   summary = prepare(v['source'], v['out'], task, manifest=v['manifest'],
@@ -223,7 +225,4 @@ def main(fl):
 
 if __name__ == '__main__':
   _FLAGS = _define_flags()
-  flags.mark_flags_as_required(['source', 'out'])
-  app.run(lambda argv: main(_FLAGS) if len(argv) == 1 else
-          app.usage(shorthelp=True, detailed_error=f'unexpected arguments {argv[1:]}', exitcode=1),
-          flags_parser=cli.parse_flags)
+  cli.run(lambda argv: main(_FLAGS), required=('source', 'out'))

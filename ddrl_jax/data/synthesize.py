@@ -11,21 +11,23 @@ ODE) unless --stochastic. Records: ddrl_jax.data.records format, one per sample,
 `record_of` (prompt, sample, and for video tasks text_embedding and first_frame); read them back with
 config.data.path. Non-finite samples are skipped and counted.
 """
+import logging
 import os
 import tempfile
 
-from absl import app
 from absl import flags
-from absl import logging
 import jax
 from ml_collections import config_flags
 import numpy as np
 import tqdm
 
 from ddrl_jax import cli
+from ddrl_jax import console
 from ddrl_jax import parallel
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.data import records as records_lib
+
+logger = logging.getLogger(__name__)
 
 
 def read_prompts(path):
@@ -72,7 +74,7 @@ def synthesize(config, out, *, workdir=None, prompts=None, per_prompt=1, batch=6
       for prompt, sample in zip(chunk, samples):
         if not np.isfinite(sample).all():
           stats['skipped_nonfinite'] += 1
-          logging.warning('skipping a non-finite sample of prompt %r', prompt)
+          logger.warning('skipping a non-finite sample of prompt %r', prompt)
           continue
         yield task.record_of(sample, prompt, text=text)
       bar.update(len(chunk))
@@ -102,9 +104,8 @@ def _define_flags():
 
 
 def main(argv):
+  console.setup()
   del argv
-  if _CONFIG.value is None or not _OUT.value:
-    raise app.UsageError('--config and --out are required')
   prompts = read_prompts(_PROMPTS.value) if _PROMPTS.value else None
   summary = synthesize(_CONFIG.value, _OUT.value, workdir=_WORKDIR.value, prompts=prompts,
                        per_prompt=_PER_PROMPT.value, batch=_BATCH.value, seed=_SEED.value,
@@ -117,4 +118,4 @@ def main(argv):
 if __name__ == '__main__':
   _define_flags()
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, required=('config', 'out'))

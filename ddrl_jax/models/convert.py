@@ -33,6 +33,8 @@ import sys
 
 import numpy as np
 
+from ddrl_jax import cli
+
 MODELS = ('cosmos2b', 'cosmos14b', 'cosmos_tiny', 'wan21_vae', 'wan_tiny')
 DTYPES = ('float32', 'bfloat16')
 
@@ -326,8 +328,17 @@ def load_converted(out_dir, model=None, dtype=None):
 
 
 # ------------------------------------------------------------------------------------------ CLI
+class _ArgumentParser(argparse.ArgumentParser):
+  """argparse answering a mistake in one line (ddrl_jax.cli's form) instead of usage + error."""
+
+  def error(self, message):
+    cli.fail(message, 'the flags are --source, --model, --out and --dtype')
+
+
 def main(argv=None):
-  p = argparse.ArgumentParser(prog='python -m ddrl_jax.models.convert', description=__doc__.split('\n')[0])
+  p = _ArgumentParser(prog='python -m ddrl_jax.models.convert', description=__doc__.split('\n')[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+  p.add_argument('--traceback', action='store_true', help='show the full traceback of an error')
   p.add_argument('--source', required=True, help='.pt/.pth, .safetensors or diffusers folder')
   p.add_argument('--model', required=True, choices=MODELS)
   p.add_argument('--out', required=True, help='output folder (orbax params/ + conversion.json)')
@@ -335,9 +346,10 @@ def main(argv=None):
   args = p.parse_args(argv)
   try:
     info = convert(args.source, args.model, args.out, args.dtype)
-  except ValueError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 1
+  except (ValueError, FileNotFoundError) as e:
+    if args.traceback or cli.wants_traceback():
+      raise
+    cli.fail(cli.first_line(e), 'check --source and --model')
   print(f'converted {info["model"]} ({info["naming"]} naming, {info["num_tensors"]} tensors, '
         f'{info["num_params"]:,} params, {info["dtype"]}) from {info["source"]} -> {os.path.abspath(args.out)}')
   return 0

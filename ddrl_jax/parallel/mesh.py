@@ -14,6 +14,8 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+logger = logging.getLogger(__name__)
+
 AXES = ('data', 'fsdp', 'context', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
 
@@ -54,7 +56,7 @@ def make_mesh(mesh_config, devices=None):
     try:
       grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     except (ValueError, NotImplementedError, AssertionError) as e:
-      logging.warning('mesh %s: no physical device order (%s); using the device list order', shape, e)
+      logger.warning('mesh %s: no physical device order (%s); using the device list order', shape, e)
   return jax.sharding.Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 

@@ -23,6 +23,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+logger = logging.getLogger(__name__)
+
 # Cosmos DiT names (models/cosmos_dit.py) -> mesh axes. Parameters are FSDP-sharded on their model-width
 # dimension and replicated over data (HSDP, as cosmos-rl); activations split the batch over (data, fsdp)
 # and the token sequence (latent frames first) over context.
@@ -81,14 +83,15 @@ _logged_drops = set()
 
 
 def _log_drop(what, dim, axes, kept):
-  """Logs once per case: at WARNING for parameters, INFO for activations and data (whose batch of
-  B groups or of one example inside vmap routinely does not divide)."""
+  """Logs once per case: at WARNING for parameters (replicated: more memory per device), DEBUG for
+  activations and data (whose batch of B groups or of one example inside vmap routinely does not
+  divide)."""
   key = (what, dim, axes, kept)
   if key not in _logged_drops:
     _logged_drops.add(key)
-    level = logging.INFO if what.startswith(('activation', 'data')) else logging.WARNING
-    logging.log(level, 'sharding: %s dimension of size %d does not divide over %s; using %s', what, dim,
-                axes, kept or 'no axis (replicated)')
+    level = logging.DEBUG if what.startswith(('activation', 'data')) else logging.WARNING
+    logger.log(level, 'sharding: %s dimension of size %d does not divide over %s; using %s', what, dim,
+               axes, kept or 'no axis (replicated)')
 
 
 def mesh_spec(logical, shape, rules, axis_sizes, what='array'):

@@ -27,6 +27,8 @@ import numpy as np
 from ddrl_jax.rewards import wire
 from ddrl_jax.rewards import worker as worker_lib
 
+logger = logging.getLogger(__name__)
+
 FAILURE_KINDS = ('timeout', 'crash', 'garbage', 'error')
 
 
@@ -248,7 +250,7 @@ class WorkerPool:
       job, sl = w.task
       job.fail(sl, job.names, kind, message)
       job.chunk_done()
-    logging.warning('reward worker pid %d: %s', w.proc.pid, message)
+    logger.warning('reward worker pid %d: %s', w.proc.pid, message)
 
   def _abort_all(self, error):
     self.fatal = error
@@ -310,7 +312,7 @@ class WorkerPool:
     try:
       self._run()
     except Exception as e:  # a scheduler bug must fail the jobs, not leave them pending forever
-      logging.exception('reward pool scheduler failed')
+      logger.exception('reward pool scheduler failed')
       self._abort_all(f'reward pool scheduler failed: {type(e).__name__}: {e}')
 
   def _run(self):

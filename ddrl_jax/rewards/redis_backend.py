@@ -26,6 +26,8 @@ import numpy as np
 from ddrl_jax.rewards import pool as pool_lib
 from ddrl_jax.rewards import wire
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_NAMESPACE = 'ddrl:reward'
 
 # Atomically take the next task: move its id to processing, lease it, count the attempt.
@@ -136,8 +138,8 @@ class RedisRewardClient:
         if attempt == self.retries:
           raise
         self.stats['retries'] += 1
-        logging.warning('redis %s: %s; retry %d/%d in %.1f s', self.url, e, attempt + 1,
-                        self.retries, delay)
+        logger.warning('redis %s: %s; retry %d/%d in %.1f s', self.url, e, attempt + 1,
+                       self.retries, delay)
         time.sleep(delay)
         delay *= 2
 

@@ -15,14 +15,17 @@ import os
 import socket
 import time
 
-from absl import app
 from absl import flags
 import numpy as np
 
+from ddrl_jax import cli
+from ddrl_jax import console
 from ddrl_jax.rewards import pool as pool_lib
 from ddrl_jax.rewards import redis_backend
 from ddrl_jax.rewards import registry
 from ddrl_jax.rewards import wire
+
+logger = logging.getLogger(__name__)
 
 _REDIS = flags.DEFINE_string('redis', 'redis://localhost:6379/0', 'Redis URL of the task queue.')
 _TOKEN = flags.DEFINE_string('token', None, 'Bearer token; default: $DDRL_REWARD_TOKEN.')
@@ -73,7 +76,7 @@ class RewardServer:
 
   def reject(self, task_id, code, error):
     self.counts[f'rejected_{code}'] += 1
-    logging.warning('task %s rejected (%d): %s', task_id, code, error)
+    logger.warning('task %s rejected (%d): %s', task_id, code, error)
     self.reply(task_id, {'error': error, 'code': code})
 
   # ----------------------------------------------------------------------------------- tasks
@@ -167,7 +170,7 @@ class RewardServer:
     if now - self._last_reap > 1.0:
       moved = self.reap(keys=[self.keys.queue, self.keys.processing], args=[self.keys.ns])
       if moved:
-        logging.warning('requeued %d task(s) whose server stopped renewing its lease', moved)
+        logger.warning('requeued %d task(s) whose server stopped renewing its lease', moved)
         self.counts['requeued'] += moved
       self._last_reap = now
     took = False
@@ -182,7 +185,7 @@ class RewardServer:
       time.sleep(idle_sleep)
 
   def serve(self, max_tasks=0):
-    logging.warning('reward server %s serving %s', self.name, self.keys.ns)
+    logger.info('reward server %s serving %s', self.name, self.keys.ns)
     try:
       while not max_tasks or self.counts['answered'] + sum(
           v for k, v in self.counts.items() if k.startswith('rejected')) < max_tasks:
@@ -198,7 +201,7 @@ class RewardServer:
 
 def main(argv):
   del argv
-  logging.getLogger().setLevel(logging.INFO)
+  console.setup()
   token = _TOKEN.value or os.environ.get('DDRL_REWARD_TOKEN', '')
   server = RewardServer(redis_backend.connect(_REDIS.value), token, workers=_WORKERS.value,
                         chunk_timeout_s=_CHUNK_TIMEOUT.value, lease_s=_LEASE.value,
@@ -208,4 +211,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)
