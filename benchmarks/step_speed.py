@@ -5,6 +5,7 @@ analytic FLOPs and a PyTorch eager peer on diffusers' CosmosTransformer3DModel, 
   JAX_PLATFORMS=cpu python benchmarks/step_speed.py --quick    # tiny sizes, seconds (writes no JSON lines)
   ... --ocr                 # also the README's OCR main job (configs/ocr_tiny.py) through the trainer
   ... --skip_torch --skip_compile_sweep --width=128 --blocks=4 --heads=4 --latent=1,16,16 --groups=8 ...
+  ... --skip_torch --skip_compile_sweep --skip_dit_alone   # trainer vs the public loss path only
 
 The iteration (default shape): the Cosmos DiT (`models.cosmos_dit.CosmosDiT`, D 128, 4 blocks, 4 heads,
 adaLN-LoRA 32, 8 text tokens of width 64 without crossattn_proj: 1,275,520 parameters) on a 16 x 1 x 16 x 16
@@ -19,6 +20,12 @@ apply_fn of the DiT, remat 'none' unless --remat) timed as the trainer runs them
               are pending)
   update      the policy gradient, added to the data gradient, then clipping and AdamW
   train = data_grads + update (the issue's "update"); iteration = rollout + train.
+The public path: what a library user writes (README "Use the loss from your own JAX code"),
+jax.jit(jax.value_and_grad(rl.ddrl_loss, has_aux=True)) with the recipe's options, timed in every run
+right after the trainer's update on that run's rollouts (so both see the same load), against the train
+phase: the goal is public <= 1.1 x train. --reference_path also times the same of
+rl.rl_loss_reference (reverse mode through the plain scan over the trained steps: the form the public
+loss had before its per-step custom VJP; about 9 GiB of temporaries at the default shape).
 PyTorch: benchmarks/torch_peer.py, the same network calls in eager mode with the same parameters (the
 diffusers weights are converted to the JAX model; one forward is compared, ~1e-6 apart).
 
@@ -35,7 +42,8 @@ alone is added num_blocks - 1 times; a difference over 10% stops the run.
 
 Also: the DiT alone at batch B*N (forward; forward + backward of a mean-square loss) for remat 'none' and
 'full'; compile times of rollout / data_grads / update against T and depth (scans: they should be flat);
-the goals (iteration <= 1.3 x its FLOP limit; JAX >= 1.6 x faster than the torch peer; fwd+bwd <= 3 x fwd).
+the goals (iteration <= 1.3 x its FLOP limit; JAX >= 1.6 x faster than the torch peer; fwd+bwd <= 3 x fwd;
+the public path <= 1.1 x the trainer's train phase).
 One JSON line per measurement is appended to benchmarks/step_speed.jsonl (--out), each with the load
 average when it was taken. Other processes on the machine distort the numbers, torch's most: its spinning
 OpenMP threads slowed the eager iteration 10-15x on a 2-core VM with two other busy processes, where
@@ -64,12 +72,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from configs import cosmos_common
 from ddrl_jax import config as config_lib
 from ddrl_jax import flops as flops_lib
 from ddrl_jax import optim
 from ddrl_jax import parallel
+from ddrl_jax import rl
 from ddrl_jax import update as update_lib
 from ddrl_jax import xla_flags
 from ddrl_jax.models import cosmos_convert
@@ -79,6 +89,7 @@ from ddrl_jax.tasks import video
 GOAL_FLOP_LIMIT = 1.3     # iteration seconds <= this x its FLOP limit
 GOAL_TORCH_SPEEDUP = 1.6  # torch peer iteration seconds >= this x JAX's
 GOAL_BWD_RATIO = 3.0      # DiT forward + backward <= this x forward (remat 'none')
+GOAL_PUBLIC_RATIO = 1.1   # jax.value_and_grad(rl.ddrl_loss) <= this x the trainer's train phase
 XLA_TOLERANCE = 0.10      # |XLA FLOPs / analytic - 1| above this stops the run
 OCR_PHASES = ('time_rollout_and_submit', 'time_data_grad', 'time_reward_wait', 'time_update')
 
@@ -311,8 +322,45 @@ def iteration_inputs(shape, plan, seed=0):
   return slots, data, jax.device_put(rewards, plan.batch())
 
 
-def run_jax_iteration(shape, graphdef, params, runs, seed=0):
+PUBLIC_FORMS = {'public': 'jax.value_and_grad(rl.ddrl_loss)',
+                'reference': 'jax.value_and_grad(rl.rl_loss_reference)'}
+
+
+def public_grad_fn(graphdef, config, sampler, form='public'):
+  """The README's way, jitted: jax.value_and_grad of rl.ddrl_loss ('public') or of rl.rl_loss_reference
+  ('reference', the plain scan) with the recipe's options, as a function (params, traj (B, N, T, ...),
+  advantages (B, N), steps (B, N, K), cond {'text': (B, L, C)}, data DataTerm, key) -> ((loss, metrics),
+  grads)."""
+  r = config.rl
+  apply_fn = video.make_apply_fn(graphdef, config.cosmos.cond_timestep)
+  kw = dict(clip_range=r.clip_range, log_ratio_form=r.log_ratio or 'cosmos', loss_scale=r.loss_scale,
+            old_mean=r.old_mean)
+
+  def loss_fn(p, traj, advantages, steps, cond, data, key):
+    if form == 'public':
+      return rl.ddrl_loss(apply_fn, p, sampler, traj, advantages, steps, cond, data, key, **kw)
+    return rl.rl_loss_reference(apply_fn, p, sampler, traj, advantages, steps, cond, key, data=data, **kw)
+
+  return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+
+
+def public_inputs(shape, config, rollout, data, key):
+  """The public loss's arguments after params from the trainer's (B*N, 1, ...) `RolloutBatch` and
+  `DataBatch`: the group-layout trajectory, the advantages, the trained steps (B, N, K), the group
+  conditions, the `DataTerm` and the key the trainer's update draws the data noise from."""
+  traj, rewards, cond = update_lib.group_rollout_batch(rollout, shape.rollouts)
+  steps = jnp.broadcast_to(jnp.asarray(shape.trained_steps, jnp.int32),
+                           (shape.groups, shape.rollouts, len(shape.trained_steps)))
+  r = config.rl
+  term = rl.DataTerm(x0=data.x0, cond=data.cond, beta=r.data_beta, steps=r.data_loss_steps,
+                     noise=r.data_noise, cond_dropout=r.cond_dropout, weighting=r.data_weighting)
+  return traj, update_lib.compute_advantages(rewards, config), steps, cond, term, jax.random.split(key)[1]
+
+
+def run_jax_iteration(shape, graphdef, params, runs, seed=0, public_forms=('public',)):
   """Times the trainer's rollout, data_grads and update: one warm-up iteration (compiles), then `runs`.
+  After each update, each of `public_forms` (see `public_grad_fn`) on the same rollouts and parameters
+  (`{form}_s`; its first call, compile included, is `{form}_warmup_s`; its last loss `{form}_loss`).
 
   Returns per-run lists rollout_s, data_grads_s, update_s, train_s (= data_grads + update), iteration_s
   and cpu_per_wall (process CPU seconds per second: the cores this process got), the warm-up seconds,
@@ -325,6 +373,8 @@ def run_jax_iteration(shape, graphdef, params, runs, seed=0):
   k_roll, k_update = jax.random.split(jax.random.key(seed))
   before = np.asarray(jax.tree.leaves(state.params)[0]).copy()
   times = {k: [] for k in ('rollout_s', 'data_grads_s', 'update_s', 'train_s', 'iteration_s', 'cpu_per_wall')}
+  times.update({f'{form}_s': [] for form in public_forms})
+  public = {form: public_grad_fn(graphdef, s.config, s.sampler, form) for form in public_forms}
   out = {}
   for run in range(runs + 1):
     t0, c0 = time.perf_counter(), time.process_time()
@@ -336,9 +386,21 @@ def run_jax_iteration(shape, graphdef, params, runs, seed=0):
     state, metrics = jax.block_until_ready(
         s.fns.update(state, batch._replace(rewards=rewards), grads, k_update))
     t3 = time.perf_counter()
+    public_s = {}
+    for form, fn in public.items():     # the parameters the update returned, this run's rollouts
+      args = jax.block_until_ready(
+          public_inputs(shape, s.config, batch._replace(rewards=rewards), data, k_update))
+      t4 = time.perf_counter()
+      (loss, _), grads = jax.block_until_ready(fn(state.params, *args))
+      public_s[form] = time.perf_counter() - t4
+      out[f'{form}_loss'] = float(loss)
+      out[f'{form}_grad_norm'] = float(optax.tree.norm(grads))
     if run == 0:
       out['warmup_s'] = t3 - t0
+      out.update({f'{form}_warmup_s': v for form, v in public_s.items()})
       continue
+    for form, v in public_s.items():
+      times[f'{form}_s'].append(v)
     for k, v in (('rollout_s', t1 - t0), ('data_grads_s', t2 - t1), ('update_s', t3 - t2),
                  ('train_s', t3 - t1), ('iteration_s', t3 - t0),
                  ('cpu_per_wall', (time.process_time() - c0) / (t3 - t0))):
@@ -461,8 +523,9 @@ def print_phases(title, rows):
     print(f'  {name:<14}{sec:>10.3f}{gflop:>10.2f}{rate:>10.1f}{ratio:>9.2f}')
 
 
-def goals(jax_s, limit_s, torch_s, fwd_bwd_ratio):
-  """[(goal, measured value, met)]; value and met are None where the measurement was skipped."""
+def goals(jax_s, limit_s, torch_s, fwd_bwd_ratio, public_ratio=None):
+  """[(goal, measured value, met)]; value and met are None where the measurement was skipped.
+  public_ratio: the public path's seconds / the trainer's train phase (median of the per-run ratios)."""
   speedup = torch_s / jax_s if torch_s else None
   check = lambda v, ok: None if v is None else bool(ok(v))
   return [(f'iteration <= {GOAL_FLOP_LIMIT} x FLOP limit', jax_s / limit_s,
@@ -470,7 +533,9 @@ def goals(jax_s, limit_s, torch_s, fwd_bwd_ratio):
           (f'JAX >= {GOAL_TORCH_SPEEDUP} x faster than torch', speedup,
            check(speedup, lambda v: v >= GOAL_TORCH_SPEEDUP)),
           (f'DiT fwd+bwd <= {GOAL_BWD_RATIO} x fwd (remat none)', fwd_bwd_ratio,
-           check(fwd_bwd_ratio, lambda v: v <= GOAL_BWD_RATIO))]
+           check(fwd_bwd_ratio, lambda v: v <= GOAL_BWD_RATIO)),
+          (f'value_and_grad(ddrl_loss) <= {GOAL_PUBLIC_RATIO} x train', public_ratio,
+           check(public_ratio, lambda v: v <= GOAL_PUBLIC_RATIO))]
 
 
 def json_rows(rows, command, info, shape):
@@ -531,9 +596,9 @@ def measure_flops_check(shape):
   return fwd, dict(measurement='flops_check', forward_flops_per_sample=fwd, **c)
 
 
-def measure_jax(shape, graphdef, params, fwd, peak, runs):
+def measure_jax(shape, graphdef, params, fwd, peak, runs, public_forms=('public',)):
   """(result of run_jax_iteration, its FLOPs, median seconds per phase, row) with the table printed."""
-  jx = run_jax_iteration(shape, graphdef, params, runs)
+  jx = run_jax_iteration(shape, graphdef, params, runs, public_forms=public_forms)
   flops = iteration_flops(ddrl_config(shape), fwd, jx['nfe'])
   sec = {k: med(jx[f'{k}_s']) for k in ('rollout', 'data_grads', 'update', 'train', 'iteration')}
   print_phases(f'JAX iteration (median of {runs}; warm-up incl. compile {jx["warmup_s"]:.1f} s; nfe {jx["nfe"]}; '
@@ -544,8 +609,31 @@ def measure_jax(shape, graphdef, params, fwd, peak, runs):
   row = dict(measurement='iteration', framework='jax', flops=flops, peak_gflops=peak,
              flop_limit_s=flops['iteration'] / (peak * 1e9), median_s=sec,
              min_s={k: min(jx[f'{k}_s']) for k in sec}, gflops={k: flops[k] / v / 1e9 for k, v in sec.items()},
-             **jx)
+             **{k: v for k, v in jx.items() if not k.startswith(tuple(PUBLIC_FORMS))})
   return jx, flops, sec, row
+
+
+def public_path_rows(jx, flops, peak, forms):
+  """Rows of the public path(s) against the trainer's train phase of the same runs: per-run ratios
+  (public / train, each run's pair under the same load) and their median, with the table printed."""
+  print(f'\npublic path: jax.jit(jax.value_and_grad(...)) timed after each run\'s update, against that run\'s '
+        f'train phase (median of {len(jx["train_s"])}; GFLOP: the train phase\'s)')
+  print(f'  {"":<42}{"median s":>10}{"GFLOP/s":>10}{"x limit":>9}{"/ train":>9}')
+  rows, train = [], jx['train_s']
+  print(f'  {"trainer train (data_grads + update)":<42}{med(train):>10.3f}{flops["train"] / med(train) / 1e9:>10.1f}'
+        f'{med(train) * peak * 1e9 / flops["train"]:>9.2f}{1.0:>9.2f}')
+  for form in forms:
+    t = jx[f'{form}_s']
+    ratio = med([a / b for a, b in zip(t, train)])
+    print(f'  {PUBLIC_FORMS[form]:<42}{med(t):>10.3f}{flops["train"] / med(t) / 1e9:>10.1f}'
+          f'{med(t) * peak * 1e9 / flops["train"]:>9.2f}{ratio:>9.2f}   (warm-up incl. compile '
+          f'{jx[f"{form}_warmup_s"]:.1f} s; loss {jx[f"{form}_loss"]:.4g})')
+    rows.append(dict(measurement='public_path', form=form, call=PUBLIC_FORMS[form], seconds=t,
+                     median_s=med(t), train_s=train, median_train_s=med(train),
+                     ratio_to_train=ratio, ratios=[a / b for a, b in zip(t, train)],
+                     warmup_s=jx[f'{form}_warmup_s'], loss=jx[f'{form}_loss'],
+                     grad_norm=jx[f'{form}_grad_norm'], flops_train=flops['train'], peak_gflops=peak))
+  return rows
 
 
 def print_split(forward_s, train_s, flops):
@@ -638,10 +726,13 @@ def measure_ocr(iterations, peak):
 
 
 def benchmark(shape, runs=3, torch_peer_on=True, compile_sweep=True, dit_alone=True, ocr=False,
-              ocr_iterations=4, peak_sizes=(512, 1024, 2048), torch_threads=None):
+              ocr_iterations=4, peak_sizes=(512, 1024, 2048), torch_threads=None, reference_path=False):
   """Runs the measurements, printing their tables. Returns (measurement rows, summary dict).
 
-  torch_threads: torch's intra-op threads; None = os.cpu_count() (the benchmark's setting)."""
+  torch_threads: torch's intra-op threads; None = os.cpu_count() (the benchmark's setting).
+  reference_path: also time value_and_grad of rl.rl_loss_reference (the plain scan) beside the public
+  rl.ddrl_loss."""
+  forms = ('public', 'reference') if reference_path else ('public',)
   torch_peer = None
   if torch_peer_on:
     import torch_peer  # pylint: disable=import-outside-toplevel,redefined-outer-name
@@ -654,8 +745,10 @@ def benchmark(shape, runs=3, torch_peer_on=True, compile_sweep=True, dit_alone=T
   add(row)
   fwd, row = measure_flops_check(shape)
   add(row)
-  jx, flops, jax_sec, row = measure_jax(shape, graphdef, params, fwd, peak, runs)
+  jx, flops, jax_sec, row = measure_jax(shape, graphdef, params, fwd, peak, runs, forms)
   add(row)
+  public = public_path_rows(jx, flops, peak, forms)
+  add(*public)
   torch_sec = None
   if torch_peer:
     torch_sec, row = measure_torch(torch_peer, torch_model, shape, flops, peak, runs, jx['nfe'])
@@ -669,13 +762,17 @@ def benchmark(shape, runs=3, torch_peer_on=True, compile_sweep=True, dit_alone=T
   if ocr:
     add(measure_ocr(ocr_iterations, peak))
   result = goals(jax_sec['iteration'], flops['iteration'] / (peak * 1e9),
-                 torch_sec['iteration'] if torch_sec else None, ratio)
+                 torch_sec['iteration'] if torch_sec else None, ratio, public[0]['ratio_to_train'])
+  if torch_sec:
+    print(f'\npublic path {public[0]["median_s"]:.3f} s against the torch peer\'s update (data + policy + '
+          f'AdamW) {torch_sec["update"]:.3f} s: {public[0]["median_s"] / torch_sec["update"]:.2f} x')
   print('\ngoals')
   for name, value, met in result:
     print(f'  {name:<44}{"n/a" if value is None else f"{value:.2f}":>8}   '
           f'{"n/a" if met is None else ("met" if met else "NOT met")}')
   add(dict(measurement='goals', goals=[dict(goal=g, value=v, met=m) for g, v, m in result]))
-  return rows, dict(jax=jx, jax_s=jax_sec, torch_s=torch_sec, flops=flops, peak=peak, goals=result)
+  return rows, dict(jax=jx, jax_s=jax_sec, torch_s=torch_sec, flops=flops, peak=peak, goals=result,
+                    public=public)
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -701,6 +798,10 @@ def parse_args(argv=None):
   p.add_argument('--runs', type=int, default=3, help='timed runs after the warm-up')
   p.add_argument('--skip_torch', action='store_true')
   p.add_argument('--skip_compile_sweep', action='store_true')
+  p.add_argument('--skip_dit_alone', action='store_true', help='skip the DiT-alone fwd / fwd+bwd table')
+  p.add_argument('--reference_path', action='store_true',
+                 help='also time value_and_grad of rl.rl_loss_reference (the plain scan; ~9 GiB at the '
+                      'default shape)')
   p.add_argument('--ocr', action='store_true', help="also the OCR main job's iteration (the trainer)")
   p.add_argument('--ocr_iterations', type=int, default=4, help='the first one (compile) is excluded')
   p.add_argument('--quick', action='store_true', help='tiny sizes (a smoke test)')
@@ -735,7 +836,8 @@ def main(argv=None):
           f'{info["load_average"][0]:.1f}); the timings include that contention')
   print(f'shape: {dataclasses.asdict(shape)}')
   rows, _ = benchmark(shape, runs=args.runs, torch_peer_on=not args.skip_torch,
-                      compile_sweep=not args.skip_compile_sweep, ocr=args.ocr, ocr_iterations=args.ocr_iterations,
+                      compile_sweep=not args.skip_compile_sweep, dit_alone=not args.skip_dit_alone,
+                      reference_path=args.reference_path, ocr=args.ocr, ocr_iterations=args.ocr_iterations,
                       peak_sizes=(256, 512) if args.quick else (512, 1024, 2048))
   info['load_average_end'] = os.getloadavg()
   out = args.out if args.out is not None else ('' if args.quick else os.path.join(HERE, 'step_speed.jsonl'))

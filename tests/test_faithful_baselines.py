@@ -175,9 +175,10 @@ def test_drop_zero_advantages_is_flow_grpo_filtered_mean(tiny_mlp):
   ref = _perturbed(tiny_mlp.params)
 
   def loss(p, drop, kl_beta=0.0):
-    return rl.rl_loss(tiny_mlp.apply_fn, p, s, traj, jnp.asarray(adv), steps, cond, jax.random.key(0),
-                      clip_range=1e-4, old_mean='detached', drop_zero_advantages=drop,
-                      ref_params=ref, kl_beta=kl_beta, kl_form='flow_grpo')
+    return rl.rl_loss_reference(tiny_mlp.apply_fn, p, s, traj, jnp.asarray(adv), steps, cond,
+                                jax.random.key(0), clip_range=1e-4, old_mean='detached',
+                                drop_zero_advantages=drop, ref_params=ref, kl_beta=kl_beta,
+                                kl_form='flow_grpo')
 
   (_, m_drop), g_drop = jax.value_and_grad(lambda p: loss(p, True), has_aux=True)(tiny_mlp.params)
   (_, m_all), g_all = jax.value_and_grad(lambda p: loss(p, False), has_aux=True)(tiny_mlp.params)
@@ -191,7 +192,7 @@ def test_drop_zero_advantages_is_flow_grpo_filtered_mean(tiny_mlp):
   _, m_kl = loss(tiny_mlp.params, True, kl_beta=0.04)
   _, m_kl_all = loss(tiny_mlp.params, False, kl_beta=0.04)
   assert float(m_kl['kl']) > 0 and abs(float(m_kl['kl']) - float(m_kl_all['kl'])) > 1e-9
-  # rl_loss_and_grad agrees with jax.grad of rl_loss with the filter on
+  # rl_loss_and_grad agrees with jax.grad of rl_loss_reference with the filter on
   _, m2, g2 = rl.rl_loss_and_grad(tiny_mlp.apply_fn, tiny_mlp.params, s, traj, jnp.asarray(adv), steps,
                                   cond, jax.random.key(0), clip_range=1e-4, old_mean='detached',
                                   drop_zero_advantages=True)

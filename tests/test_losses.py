@@ -422,3 +422,82 @@ def test_drop_condition_drops_only_text_of_a_dict_condition():
   dropped = np.asarray(out['text']).reshape(64, -1).sum(axis=1) == 0
   assert 10 < dropped.sum() < 54                     # about half, whole samples at a time
   assert set(np.unique(np.asarray(out['text']))) <= {0.0, 1.0}
+
+
+# ------------------------------------------------------------- (g) the public losses' per-step VJP
+def _named_and_reference(name, apply_fn, s, traj, steps, adv, x0, ref_params):
+  """(named public loss, rl_loss_reference with the same options), each a function of params."""
+  cond, key = _cond(), jax.random.key(11)
+  args = lambda p: (apply_fn, p, s, traj, adv, steps, cond, key)
+  # clip ranges that clip some of the samples at _perturb(params, 0.03); DDRL's unnormalized ratio moves more
+  kw = dict(clip_range=0.2 if name == 'ddrl' else 0.01, loss_scale=10.0)
+  reference = lambda p, **more: rl.rl_loss_reference(*args(p), **kw, **more)
+  if name == 'ddrl':
+    data = rl.DataTerm(x0, cond, beta=0.5, steps='full')
+    return (lambda p: rl.ddrl_loss(apply_fn, p, s, traj, adv, steps, cond, data, key, **kw),
+            lambda p: reference(p, log_ratio_form='cosmos', data=data))
+  if name == 'flow_grpo':
+    return (lambda p: rl.flow_grpo_loss(apply_fn, p, ref_params, s, traj, adv, steps, cond, key,
+                                        kl_beta=0.3, **kw),
+            lambda p: reference(p, ref_params=ref_params, kl_beta=0.3))
+  fn = rl.dance_grpo_loss if name == 'dance_grpo' else rl.ddpo_loss
+  return lambda p: fn(*args(p), **kw), reference
+
+
+@pytest.mark.parametrize('name', ['ddrl', 'flow_grpo', 'dance_grpo', 'ddpo'])
+def test_public_loss_gradient_equals_the_plain_scan(rollouts, tiny_mlp, name):
+  """jax.value_and_grad of each named loss (its custom VJP runs `rl_loss_and_grad`, one trained step at a
+  time) against the same of `rl_loss_reference` (reverse mode through the plain scan), away from the
+  rollout parameters so the PPO clip is active for some samples."""
+  s, traj = rollouts[name]
+  steps = _random_steps(rl.ALGORITHMS[name].default_train_steps(T), 3, seed=len(name))
+  params = _perturb(tiny_mlp.params, 0.03)
+  public, reference = _named_and_reference(name, tiny_mlp.apply_fn, s, traj, steps, _advantages(3),
+                                           _data_x0(), _perturb(tiny_mlp.params, 0.1, seed=2))
+  (v1, m1), g1 = jax.jit(jax.value_and_grad(public, has_aux=True))(params)
+  (v0, m0), g0 = jax.jit(jax.value_and_grad(reference, has_aux=True))(params)
+  np.testing.assert_allclose(v1, v0, rtol=1e-6)
+  chex.assert_trees_all_close(m1, m0, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(g1, g0, rtol=1e-5, atol=1e-7)
+  assert 0 < float(m0['clipfrac']) < 1, m0          # the clip takes part
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0)) > 1e-4
+  # without has_aux, and plain evaluation (no derivative: the primal is the reference itself)
+  chex.assert_trees_all_close(jax.grad(lambda p: public(p)[0])(params), g0, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(public(params)[0], v0, rtol=1e-6)
+
+
+def test_public_loss_other_derivatives_fall_back_to_the_reference(rollouts, tiny_mlp):
+  """Derivatives the per-step rule does not cover run the reference's own VJP: of a metric, with respect
+  to the advantages and the data; and the params passed as their own KL reference (zero gradient)."""
+  s, traj = rollouts['ddrl']
+  steps = _steps((0, 2, 4))
+  params, adv, x0 = _perturb(tiny_mlp.params, 0.03), _advantages(3), _data_x0()
+
+  def derivatives(i):       # i = 0: the public ddrl_loss, 1: rl_loss_reference
+    loss = lambda p, a=adv, d=x0: _named_and_reference('ddrl', tiny_mlp.apply_fn, s, traj, steps, a, d,
+                                                       None)[i](p)
+    return (jax.grad(lambda p: loss(p)[1]['data_loss'])(params),
+            jax.grad(lambda p: loss(p)[0] + loss(p)[1]['pg_loss'])(params),
+            jax.grad(lambda a, d: loss(params, a, d)[0], argnums=(0, 1))(adv, x0))
+
+  public, reference = jax.jit(lambda: derivatives(0))(), jax.jit(lambda: derivatives(1))()
+  chex.assert_trees_all_close(public, reference, rtol=1e-5, atol=1e-7)
+  assert float(jnp.abs(public[2][1]).max()) > 0          # the data x0 gradient is not dropped
+  s, traj = rollouts['flow_grpo']
+  rest = (s, traj, adv, steps, _cond(), jax.random.key(11))
+  g_public = jax.grad(lambda p: rl.flow_grpo_loss(tiny_mlp.apply_fn, p, p, *rest, kl_beta=0.3)[0])(params)
+  g_reference = jax.grad(lambda p: rl.rl_loss_reference(tiny_mlp.apply_fn, p, *rest, clip_range=1e-4,
+                                                        ref_params=p, kl_beta=0.3)[0])(params)
+  chex.assert_trees_all_close(g_public, g_reference, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('data_steps', ['full', 'random_step'])
+def test_public_data_loss_gradient_equals_the_plain_scan(rollouts, tiny_mlp, data_steps):
+  """jax.value_and_grad of rl.data_loss (its custom VJP runs `data_loss_and_grad`) against the same of
+  `data_loss_reference`."""
+  s, traj = rollouts['ddrl']
+  term = rl.DataTerm(_data_x0(), _cond(), beta=0.5, steps=data_steps)
+  args = (s, traj, _steps((0, 2, 4)), term, jax.random.key(5))
+  public, reference = (jax.jit(jax.value_and_grad(lambda p, f=f: f(tiny_mlp.apply_fn, p, *args)))
+                       for f in (rl.data_loss, rl.data_loss_reference))
+  chex.assert_trees_all_close(public(tiny_mlp.params), reference(tiny_mlp.params), rtol=1e-5, atol=1e-7)

@@ -1,5 +1,6 @@
-"""benchmarks/step_speed.py at a tiny size: the JAX and torch iterations run and give finite times and
-losses, the analytic FLOPs agree with XLA's cost analysis, and the JSON lines carry their keys."""
+"""benchmarks/step_speed.py at a tiny size: the JAX and torch iterations and the public loss path run and
+give finite times and losses, the analytic FLOPs agree with XLA's cost analysis, and the JSON lines carry
+their keys."""
 import json
 import math
 import os
@@ -29,7 +30,7 @@ def run():
   """One tiny benchmark (1 timed run; no DiT-alone, compile sweep or OCR): (rows, summary). torch on one
   thread: at this size two threads only add synchronisation, which a busy machine makes slow."""
   return step_speed.benchmark(SHAPE, runs=1, torch_peer_on=_has_torch_peer(), compile_sweep=False,
-                              dit_alone=False, peak_sizes=(128,), torch_threads=1)
+                              dit_alone=False, peak_sizes=(128,), torch_threads=1, reference_path=True)
 
 
 def _rows(rows, measurement, **match):
@@ -54,6 +55,23 @@ def test_jax_iteration_runs(run):
   k = len(SHAPE.trained_steps)
   assert flops['rollout'] == pytest.approx(SHAPE.samples * (SHAPE.steps + 1) * fwd)
   assert flops['iteration'] == pytest.approx(SHAPE.samples * (SHAPE.steps + 1 + 6 * k) * fwd)
+
+
+def test_public_path_runs(run):
+  """jax.value_and_grad of rl.ddrl_loss (and of rl_loss_reference) timed beside the trainer's train phase:
+  the same loss and gradient as each other, a ratio to the train phase and a goal line for it."""
+  rows, summary = run
+  (train,) = _rows(rows, 'iteration', framework='jax')
+  public, reference = (_rows(rows, 'public_path', form=f)[0] for f in ('public', 'reference'))
+  for row in (public, reference):
+    assert len(row['seconds']) == 1 and _finite_positive(row['median_s'], row['warmup_s'], row['grad_norm'])
+    assert row['median_train_s'] == pytest.approx(train['median_s']['train'])
+    assert row['ratio_to_train'] == pytest.approx(row['median_s'] / row['median_train_s'])
+    assert math.isfinite(row['loss'])
+  assert public['loss'] == pytest.approx(reference['loss'], rel=1e-6)
+  assert public['grad_norm'] == pytest.approx(reference['grad_norm'], rel=1e-5)
+  (goal,) = [g for g in summary['goals'] if g[0].startswith('value_and_grad(ddrl_loss)')]
+  assert goal[1] == public['ratio_to_train'] and goal[2] == (goal[1] <= step_speed.GOAL_PUBLIC_RATIO)
 
 
 def test_torch_iteration_runs(run):
@@ -90,7 +108,7 @@ def test_json_lines(run, tmp_path):
     assert {'measurement', 'command', 'date', 'machine', 'shape'} <= set(line)
     assert {'cpu', 'cores', 'jax', 'torch', 'load_average'} <= set(line['machine'])
   kinds = {line['measurement'] for line in lines}
-  assert {'matmul_peak', 'params', 'flops_check', 'iteration', 'goals'} <= kinds
+  assert {'matmul_peak', 'params', 'flops_check', 'iteration', 'public_path', 'goals'} <= kinds
   (peak,) = [line for line in lines if line['measurement'] == 'matmul_peak']
   assert peak['peak_gflops'] > 0
   (goal,) = [line for line in lines if line['measurement'] == 'goals']

@@ -349,7 +349,8 @@ def main(argv=None):
   except (ValueError, FileNotFoundError) as e:
     if args.traceback or cli.wants_traceback():
       raise
-    cli.fail(cli.first_line(e), 'check --source and --model')
+    cli.fail('; '.join(line.strip() for line in str(e).splitlines() if line.strip()),
+             'check --source and --model')
   print(f'converted {info["model"]} ({info["naming"]} naming, {info["num_tensors"]} tensors, '
         f'{info["num_params"]:,} params, {info["dtype"]}) from {info["source"]} -> {os.path.abspath(args.out)}')
   return 0

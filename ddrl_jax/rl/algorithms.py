@@ -5,15 +5,23 @@ the trained step indices (B, N, K), and returns (scalar loss, metrics). The K tr
 `lax.scan` (compile time independent of K), the network is recomputed only at those steps, and the rollout's
 stored means play the old policy: DDRL and DanceGRPO/DDPO need no copy of old or reference parameters.
 
-Two forms of the same objective:
-  * `rl_loss` / `data_loss` (and the named losses) return the loss; `jax.grad` of them differentiates the
-    scan over K, so reverse mode keeps the residuals of all K steps at once. This is the reference form.
+Three forms of the same objective:
+  * `rl_loss_reference` / `data_loss_reference` return the loss as a plain scan over K; `jax.grad` of them
+    differentiates that scan, so reverse mode stacks the residuals of all K steps (every activation of
+    2K network calls at the DDRL shape of benchmarks/step_speed.py: 9 GiB of temporaries against the
+    per-step form's 0.5 GiB, and 1.5 to 2.5 times its time on a shared 2-core CPU). They support
+    every JAX transformation (forward mode too) and are what the other forms are tested against.
   * `rl_loss_and_grad` / `data_loss_and_grad` return (loss, metrics, grads): a scan over the K steps whose
     body takes the gradient of one step's term and adds it to a float32 gradient carry (cosmos-rl
     back-propagates each trained step separately too). Exact (every term is a mean over steps of
     per-step terms, the PPO clip is per step), and activation memory does not grow with K. The trainer
     uses this form; gradients are taken with respect to the `params` given (e.g. a bf16 compute copy) and
     accumulated in float32.
+  * `rl_loss` / `data_loss` and the named losses (`ddrl_loss`, `flow_grpo_loss`, ...): the reference's
+    value with a custom VJP (`per_step_vjp`), so `jax.grad` / `jax.value_and_grad` of them with respect to
+    `params` runs the per-step form: the trainer's cost and memory from a library user's plain
+    `jax.value_and_grad`. Derivatives with respect to anything else fall back to the reference's own;
+    forward mode (jax.jvp, jax.hessian) is not defined for them (use the reference).
 
     L = loss_scale * mean_k [ L_pg,k + kl_beta * KL_k + data_beta * L_data,k ]          (data steps 'full')
     L = loss_scale * ( mean_k [ L_pg,k + kl_beta * KL_k ] + data_beta / K * L_data,k=0 )   ('first')
@@ -31,7 +39,10 @@ import functools
 from typing import Any, Optional
 
 import jax
+from jax.custom_derivatives import custom_vjp_primal_tree_values
+from jax.custom_derivatives import SymbolicZero
 import jax.numpy as jnp
+import numpy as np
 
 from ddrl_jax.rl import diffusion_loss
 from ddrl_jax.rl import policy
@@ -123,6 +134,68 @@ def accumulate(acc, grads, scale=1.0):
   return jax.tree.map(lambda a, g: a + scale * g.astype(jnp.float32), acc, grads)
 
 
+def _perturbed(tree):
+  """Whether any leaf of a tree of `CustomVJPPrimal`s is being differentiated."""
+  return any(leaf.perturbed for leaf in jax.tree.leaves(tree))
+
+
+def _is_zero(tree):
+  """Whether every cotangent leaf of `tree` is a symbolic zero (an output nobody differentiates)."""
+  return all(isinstance(c, SymbolicZero) for c in jax.tree.leaves(
+      tree, is_leaf=lambda c: isinstance(c, SymbolicZero)))
+
+
+def _instantiate(tree):
+  """Cotangents with each symbolic zero replaced by an array of zeros of its shape and dtype."""
+  zeros = lambda c: np.zeros(c.shape, c.dtype) if c.dtype == jax.dtypes.float0 else jnp.zeros(
+      c.shape, c.dtype)
+  return jax.tree.map(lambda c: zeros(c) if isinstance(c, SymbolicZero) else c, tree,
+                      is_leaf=lambda c: isinstance(c, SymbolicZero))
+
+
+def per_step_vjp(reference, loss_and_grad):
+  """`reference` with a reverse-mode rule that takes the parameter gradient one trained step at a time.
+
+  Args:
+    reference: (params, frozen, rest) -> (scalar loss, aux pytree), a plain JAX function (the scan over
+      the K trained steps). `frozen` (reference parameters, or None) must enter it only under
+      stop_gradient, so its gradient is zero.
+    loss_and_grad: (params, frozen, rest) -> (loss, aux, float32 grads of loss with respect to params),
+      the same values with the gradient accumulated per step (`rl_loss_and_grad`).
+  Returns:
+    a function (params, frozen, rest) -> (loss, aux) equal to `reference`. Under jax.grad / vjp with
+    respect to `params` (and `frozen`), with the loss differentiated and not aux, its forward pass runs
+    `loss_and_grad` and its backward pass scales those grads by the loss's cotangent: no residuals are
+    stacked over the K steps. A derivative with respect to `rest` or of aux runs reference's own VJP,
+    recomputed from the inputs. Forward mode is not defined (a custom VJP); apply_fn must not close over
+    a value being differentiated (JAX raises an error): pass it as `params`.
+  """
+  @jax.custom_vjp
+  def loss(params, frozen, rest):
+    return reference(params, frozen, rest)
+
+  def fwd(params, frozen, rest):
+    per_step = _perturbed(params) and not _perturbed(rest)
+    params, frozen, rest = custom_vjp_primal_tree_values((params, frozen, rest))
+    if not per_step:
+      return reference(params, frozen, rest), (None, params, frozen, rest)
+    value, aux, grads = loss_and_grad(params, frozen, rest)
+    return (value, aux), (grads, params, frozen, rest)
+
+  def bwd(res, cotangent):
+    grads, params, frozen, rest = res
+    ct_loss, ct_aux = cotangent
+    if grads is None or not _is_zero(ct_aux):
+      return jax.vjp(reference, params, frozen, rest)[1](_instantiate(cotangent))
+    if isinstance(ct_loss, SymbolicZero):
+      return None, None, None
+    # None: frozen's gradient is zero (stop_gradient), rest is not differentiated.
+    return jax.tree.map(lambda g, p: (ct_loss * g).astype(p.dtype), grads, params), None, None
+
+  loss.defvjp(fwd, bwd, symbolic_zeros=True)
+  return loss
+
+
 def data_loss_and_grad(apply_fn, params, sampler, traj, steps, data, key):
   """`data_loss` and its gradient, accumulated one trained step at a time ('full'; 'first' and
   'random_step' have one term). Returns (loss, float32 grads with the structure of params)."""
@@ -130,7 +203,7 @@ def data_loss_and_grad(apply_fn, params, sampler, traj, steps, data, key):
   k_steps, _ = jax.random.split(key)
   if data.steps != 'full':
     value, grads = jax.value_and_grad(
-        lambda p: data_loss(apply_fn, p, sampler, traj, steps, data, key))(params)
+        lambda p: data_loss_reference(apply_fn, p, sampler, traj, steps, data, key))(params)
     return value, accumulate(f32_zeros(params), grads)
 
   def body(acc, xs):
@@ -146,7 +219,21 @@ def data_loss_and_grad(apply_fn, params, sampler, traj, steps, data, key):
 
 
 def data_loss(apply_fn, params, sampler, traj, steps, data, key):
-  """DDRL's diffusion loss on `data` (a `DataTerm`) at the noise levels of the trained steps.
+  """DDRL's diffusion loss on `data` (a `DataTerm`) at the noise levels of the trained steps: the value of
+  `data_loss_reference`, whose docstring has the arguments, with the per-step gradient (`per_step_vjp`):
+  jax.grad of it with respect to params runs `data_loss_and_grad`. Returns the scalar loss."""
+  reference = lambda p, _, rest: (data_loss_reference(apply_fn, p, sampler, *rest), None)
+
+  def per_step(p, _, rest):
+    value, grads = data_loss_and_grad(apply_fn, p, sampler, *rest)
+    return value, None, grads
+  return per_step_vjp(reference, per_step)(params, None, (traj, steps, data, key))[0]
+
+
+def data_loss_reference(apply_fn, params, sampler, traj, steps, data, key):
+  """DDRL's diffusion loss on `data` (a `DataTerm`) at the noise levels of the trained steps, as a plain
+  scan over them (reverse mode keeps every step's residuals; `data_loss` is the same value with the
+  per-step gradient).
 
   The same value (and random draws) as the data part of `rl_loss(..., data=data, key=key)`, so a
   trainer can take its gradient while rewards are still pending and add the policy gradient later.
@@ -215,7 +302,36 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
       FlowGRPO also re-adds random dropped samples until its batch splits evenly; that is not done here.
   Returns:
     (loss, metrics dict of scalars).
+
+  The value is `rl_loss_reference`'s; jax.grad / jax.value_and_grad with respect to params (has_aux or
+  not) runs `rl_loss_and_grad`, one trained step's backward at a time (`per_step_vjp`), so reverse mode
+  costs what the trainer's update costs. ref_params gets a zero gradient (the KL's reference is frozen).
   """
+  opts = dict(clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
+              loss_scale=loss_scale, old_mean=old_mean, kl_form=kl_form,
+              drop_zero_advantages=drop_zero_advantages)
+  _check_rl_options(old_mean, kl_beta, ref_params, kl_form, sampler)
+
+  def reference(p, ref, rest):
+    traj, advantages, steps, cond, key, data = rest
+    return rl_loss_reference(apply_fn, p, sampler, traj, advantages, steps, cond, key, ref_params=ref,
+                             data=data, **opts)
+
+  def per_step(p, ref, rest):
+    traj, advantages, steps, cond, key, data = rest
+    return rl_loss_and_grad(apply_fn, p, sampler, traj, advantages, steps, cond, key, ref_params=ref,
+                            data=data, **opts)
+
+  return per_step_vjp(reference, per_step)(params, ref_params,
+                                           (traj, advantages, steps, cond, key, data))
+
+
+def rl_loss_reference(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
+                      log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
+                      data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout',
+                      kl_form='exact', drop_zero_advantages=False):
+  """`rl_loss` (same arguments and value) as a plain scan over the K trained steps: reverse mode through it
+  keeps the residuals of every step (module docstring). The form the others are tested against."""
   _check_rl_options(old_mean, kl_beta, ref_params, kl_form, sampler)
   picked = samplers.gather_steps(traj, steps)
   step = functools.partial(_policy_step, apply_fn, sampler, advantages, cond, ref_params=ref_params,
@@ -228,7 +344,7 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
   if kl_beta > 0:
     total = total + kl_beta * metrics['kl']
   if data is not None:
-    metrics['data_loss'] = data_loss(apply_fn, params, sampler, traj, steps, data, key)
+    metrics['data_loss'] = data_loss_reference(apply_fn, params, sampler, traj, steps, data, key)
     total = total + data.beta * metrics['data_loss']
   total = loss_scale * total
   metrics['loss'] = total
@@ -370,7 +486,10 @@ def _step_metrics(per_step):
 def ddrl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, data, key, *,
               clip_range=1e-4, log_ratio_form='cosmos', loss_scale=1.0, old_mean='rollout'):
   """DDRL (arXiv 2512.04332, Algorithm 1 as in cosmos-rl): clipped policy gradient + data_beta * diffusion
-  loss on data paired with the conditions. No reference or old parameters. `data` is a `DataTerm`."""
+  loss on data paired with the conditions. No reference or old parameters. `data` is a `DataTerm`.
+
+  Returns (loss, metrics) (`rl_loss`). jax.value_and_grad of it with respect to params computes the
+  gradient one trained step at a time, as the trainer does (`per_step_vjp`)."""
   return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, clip_range=clip_range,
                  log_ratio_form=log_ratio_form, data=data, loss_scale=loss_scale, old_mean=old_mean)
 
@@ -460,7 +579,7 @@ class Algorithm:
                        f'ddrl_jax/rl/nft.py (nft_loss, nft_loss_and_grad)')
 
   def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, rl):
-    """The algorithm's loss (the reference form) with the options of an `rl` ConfigDict."""
+    """The algorithm's loss (`rl_loss`: the per-step gradient) with the options of an `rl` ConfigDict."""
     self._check_clipped_pg()
     return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key,
                    **self._options(ref_params, data, rl))
