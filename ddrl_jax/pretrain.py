@@ -44,7 +44,7 @@ from ddrl_jax import xla_flags
 from ddrl_jax.parallel import hosts
 from ddrl_jax.rl import diffusion_loss
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger('ddrl_jax.pretrain')   # not __name__: it is '__main__' under python -m
 
 
 def make_step(apply_fn, optimizer, c):

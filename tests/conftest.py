@@ -48,8 +48,52 @@ def pytest_configure(config):
     config.option.durations = 25
 
 
+# Tests in the slow tier that are marked here rather than by a decorator: single cases of parametrized
+# tests (their siblings stay in the fast tier) and tests of files marked whole. Each one has a faster
+# sibling or neighbour in the fast tier that exercises the same code.
+SLOW_TESTS = frozenset([
+    'test_sharding.py::test_sharded_ddrl_update_equals_one_device',   # test_trainer's 8-device equality stays
+    'test_sharding.py::test_per_step_gradients_equal_the_gradient_of_the_scan[ddrl_full]',
+    'test_sharding.py::test_per_step_gradients_equal_the_gradient_of_the_scan[flow_grpo_kl]',
+    'test_sharding.py::test_per_step_gradient_memory_is_flat_in_k',
+    'test_sharding.py::test_compute_cast_makes_bf16_matmul_weights_and_keeps_results',
+    'test_sharding.py::test_sharded_init_equals_single_device_init',
+    'test_trainer.py::test_sharded_step_equals_single_device[flow_grpo]',
+    'test_trainer.py::test_baselines_train_through_the_trainer[dance_grpo]',
+    'test_trainer.py::test_baselines_train_through_the_trainer[ddpo]',
+    'test_data.py::test_prepare_cli_with_jsonl_manifest',
+    'test_data.py::test_prepare_encodes_media_with_the_task',
+    'test_convert.py::test_wan_diffusers_folder',
+    'test_convert.py::test_wan_original_pth',
+    'test_cosmos_dit.py::test_blocks_are_scanned[2]',
+    'test_cosmos_dit.py::test_token_linear_equals_a_dense_layer_over_every_leading_axis',
+    'test_wan_vae.py::test_chunked_equals_whole_sequence',
+    'test_launch.py::test_readme_table_commands_dry_run',
+    'test_launch.py::test_libtpu_knows_the_preset',
+    'test_gpu_step.py::test_tiny_run_prints_one_json_line_with_positive_times',
+    'test_cosmos_smoke.py::test_i2v_x0_prediction_equals_gt',     # test_task_shapes_and_restore_structure stays
+    'test_aot.py::test_cpu_compile_reports_memory_and_fsdp_shrinks_the_state',
+    'test_flops.py::test_trainer_logs_flops_and_throughput_without_mfu_on_cpu',
+    'test_ocr_pipeline.py::test_shipped_base_is_legible_and_text_conditioned',
+    'test_convert.py::test_converted_checkpoint_starts_the_video_task',
+    'test_training_streams.py::test_trainer_update_equals_value_and_grad_of_the_public_loss[flow_grpo]',
+    'test_losses.py::test_public_loss_other_derivatives_fall_back_to_the_reference',
+])
+# benchmarks/step_speed.py --quick, run by its tests, times the trainer, the public path, its reference
+# form and torch: minutes of compiles; the library path it times is tested in test_losses.py.
+SLOW_FILES = frozenset(['test_multihost.py', 'test_multihost_processes.py', 'test_step_speed.py'])
+
+
+def _is_slow(item):
+  name = item.nodeid.split('/')[-1]
+  return (name.split('::')[0] in SLOW_FILES or name in SLOW_TESTS
+          or name.split('[')[0] in SLOW_TESTS)
+
+
 def pytest_collection_modifyitems(items):
   for item in items:
+    if _is_slow(item) and item.get_closest_marker('slow') is None:
+      item.add_marker(pytest.mark.slow)
     if item.get_closest_marker('timeout') is None:
       item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
 

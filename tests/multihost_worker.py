@@ -9,7 +9,8 @@ and the scenario:
   'layout': write this process's BatchLayout and, with config.data.path, the record keys of its first
             two loader batches (no compile);
   'train':  run Trainer.train, capturing the global rollout conditions, data batch and reward matrix
-            of the first iteration and the final parameters (process 0 writes them as .npz), and
+            of the first iteration, the parameters before the first update and the final ones
+            (process 0 writes them as .npz), and
             write which files each process created.
 """
 import json
@@ -94,7 +95,7 @@ def run(spec):
     _write_json(os.path.join(out, f'report_{pid}.json'), report)
     return
 
-  captured = {}
+  captured, initial = {}, {}
   collect, update = trainer.collect, None
 
   def capture_collect(it):
@@ -117,6 +118,7 @@ def run(spec):
     def capture_update(state, rollout, grads, key):
       if 'rewards' not in captured:
         captured['rewards'] = hosts.gather_global(rollout.rewards)
+        initial.update(_flat(jax.tree.map(hosts.gather_global, state.params)))   # before the first step
       return inner(state, rollout, grads, key)
 
     trainer._update = capture_update
@@ -134,19 +136,25 @@ def run(spec):
     report.update(error=f'{type(e).__name__}: {e}')
     _write_json(os.path.join(out, f'report_{pid}.json'), report)
     return
-  params = jax.tree.map(hosts.gather_global, trainer.state.params)
-  flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in
-          jax.tree_util.tree_flatten_with_path(params)[0]}
+  flat = _flat(jax.tree.map(hosts.gather_global, trainer.state.params))
   report.update(start=start, final_step=int(trainer.state.step), stopped_by=trainer.stopped_by,
                 loss=float(metrics.get('loss', float('nan'))))
   if jax.process_index() == 0:
     np.savez(os.path.join(out, 'params.npz'), **flat)
+    np.savez(os.path.join(out, 'params_init.npz'), **initial)
     batch = {}
     for name, tree in captured.items():
       for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]:
         batch[name + jax.tree_util.keystr(k)] = np.asarray(v)
     np.savez(os.path.join(out, 'batch.npz'), **batch)
   _write_json(os.path.join(out, f'report_{pid}.json'), report)
+
+
+def _flat(params):
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return {jax.tree_util.keystr(k): np.asarray(v)
+          for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
 def _write_json(path, obj):

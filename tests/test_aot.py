@@ -41,6 +41,7 @@ def test_network_passes_count_the_iteration():
   assert aot.network_passes(c, 'data_grads', 'full') == 4
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
                     reason="needs libtpu for compile-only TPU devices: pip install -e '.[aot]'")
 def test_tpu_topology_compile_of_the_smoke_iteration():

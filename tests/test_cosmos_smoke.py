@@ -33,6 +33,7 @@ def _params(trainer):
   return jax.device_get(nnx.to_pure_dict(trainer.state.params))
 
 
+@pytest.mark.slow
 def test_smoke_trains_t2v_and_i2v_and_resumes_on_other_meshes(tmp_path):
   """FSDP 4 x data 2 (the tiny DiT's parameters over 4 devices) for 3 iterations; its step-1 checkpoint
   resumes on 1 device to step 2, and that checkpoint back on the FSDP mesh to step 3: equal to the
@@ -183,6 +184,7 @@ def test_smoke_config_validates_on_test_devices():
 
 
 # ------------------------------------------------------------------------------ records as the data
+@pytest.mark.slow
 def test_smoke_trains_on_prepared_records(tmp_path):
   from ddrl_jax.data import prepare  # pylint: disable=g-import-not-at-top
   config = cosmos2b.get_config('smoke')

@@ -171,6 +171,7 @@ def test_bad_options_raise(problem):
                   beta=1.0, adv_clip_max=5.0, kl_beta=1e-4)
 
 
+@pytest.mark.slow
 def test_diffusion_nft_trains_through_the_trainer(tmp_path):
   """The real loop on the toy task: rollouts sampled by the old policy, rewards, the NFT update, and the
   old policy moved toward the new parameters by its schedule after every optimizer step."""

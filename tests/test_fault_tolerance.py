@@ -67,6 +67,7 @@ def _kill_on(event, it):
   return lambda e: 0.0 if e['event'] == event and e.get('it') == it else None
 
 
+@pytest.mark.slow
 def test_two_sigkills_then_resume_match_the_uninterrupted_run(tmp_path, reference):
   workdir = tmp_path / 'run'
   # Kill 1: in the update of iteration 3 (checkpoint 2 is the newest).
@@ -86,6 +87,7 @@ def test_two_sigkills_then_resume_match_the_uninterrupted_run(tmp_path, referenc
   _assert_identical(workdir, reference)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_0_and_the_rerun_resumes(tmp_path, reference):
   workdir = tmp_path / 'run'
   os.makedirs(workdir)
@@ -114,6 +116,7 @@ def test_sigterm_saves_exits_0_and_the_rerun_resumes(tmp_path, reference):
   _assert_identical(workdir, reference)
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once(tmp_path):
   workdir = tmp_path / 'run'
   os.makedirs(workdir)
@@ -191,6 +194,7 @@ def test_nonfinite_training_stops_and_keeps_the_last_good_checkpoint(trained, tm
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(again.state.params))
 
 
+@pytest.mark.slow
 def test_pretrain_sigterm_saves_exits_0_and_resumes(tmp_path):
   workdir = tmp_path / 'pretrain'
   metrics = workdir / 'metrics.jsonl'
@@ -242,6 +246,7 @@ with preemption.PreemptionGuard() as guard:
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sig,sender,why', [('SIGTERM', 0, 'preemption notice'),
                                             ('SIGINT', 1, 'SIGINT (another host)')])
 def test_two_processes_stop_at_the_same_step(sig, sender, why):

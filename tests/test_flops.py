@@ -296,8 +296,14 @@ def test_trainer_logs_flops_and_throughput_without_mfu_on_cpu(tmp_path):
   rows = {r['step']: r for r in metrics_lib.read_metrics(tmp_path) if 'loss' in r}
   assert sorted(rows) == [1, 2, 3]
   want = flops.iteration_flops(c, toy2d.Toy2D(c).forward_flops_per_sample()).total
+  # Counted here: per slot 7 rollout calls (T = 6 + cosmos_2ab's clean call), 3 x 3 for the policy's
+  # trained steps (0, 2, 4) and 3 x 3 for the data term; 8 x 4 slots; 2 x the MACs of the width-32,
+  # depth-2 MLP (in 35 features, one hidden 32 x 32 layer, out 2).
+  assert (c.batch_size, c.num_rollouts, c.toy2d.width, c.toy2d.depth) == (8, 4, 32, 2)
+  counted = (7 + 9 + 9) * 8 * 4 * 2 * (35 * 32 + 32 * 32 + 32 * 2)
   for step, r in rows.items():
     assert r['flops_per_iteration'] == pytest.approx(want)
+    assert r['flops_per_iteration'] == pytest.approx(counted, rel=1e-12)
     assert 'mfu' not in r
     assert r['time_compute'] > 0 and r['time_rollout'] > 0
     # The first iteration compiles the step functions: no throughput for it.

@@ -5,7 +5,10 @@ import json
 import math
 import os
 
+import jax
 import pytest
+
+from ddrl_jax import tasks
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks',
                      'gpu_step.py')
@@ -43,6 +46,21 @@ def test_tiny_run_prints_one_json_line_with_positive_times(gpu_step, capsys):
   shape = report['shape']
   assert shape['train_steps'] == [0, 2] and shape['groups'] * shape['rollouts'] == 2
   assert report['flops_per_iteration'] == pytest.approx(17 * 2 * report['forward_flops_per_sample'])
+  f = 2 * report['forward_flops_per_sample']                      # 2 slots
+  assert report['flops_breakdown'] == pytest.approx(dict(rollout=5 * f, policy=6 * f, reference=0,
+                                                         data=6 * f))
+  # One timed iteration: its parts add up to it, and the throughput is its FLOPs over its time.
+  assert report['time_iteration_s'] == pytest.approx(
+      report['time_rollout_s'] + report['time_data_grad_s'] + report['time_update_s'], rel=1e-9)
+  assert report['achieved_flops_per_s'] == pytest.approx(
+      report['flops_per_iteration'] / report['time_iteration_s'], rel=1e-9)
+  # XLA's bytes: the peak is the largest function's; the update's arguments hold the train state (the
+  # parameters, their EMA and Adam's two moments, float32).
+  assert report['peak_bytes'] == max(report['aot_bytes'].values())
+  config = gpu_step.make_config(gpu_step.parse_args(['--tiny']), 'cpu')
+  _, abstract = tasks.get_task(config).abstract_params(jax.random.key(0))
+  param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+  assert report['aot_bytes']['update'] > 4 * param_bytes > 0, (report['aot_bytes'], param_bytes)
 
 
 def test_budget_stops_before_the_runs_and_still_reports(gpu_step, capsys):

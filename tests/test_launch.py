@@ -156,6 +156,12 @@ def split_sbatch(words):
   return words[:at[0]], words[at[0] + 1:]
 
 
+def slurm_header():
+  """{option: value} of the SLURM script's #SBATCH lines (what a plain `sbatch SCRIPT` asks for)."""
+  with open(os.path.join(REPO, SLURM)) as f:
+    return dict(re.findall(r'^#SBATCH (--[a-z-]+)(?:=(\S*))?', f.read(), re.M))
+
+
 def train_argv(words):
   """The flags after `python[3] -m ddrl_jax.train` in a word list (exactly one train command)."""
   idx = [i for i in range(1, len(words) - 1)
@@ -196,8 +202,11 @@ def test_bash_syntax(script):
   assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.skipif(shutil.which('shellcheck') is None, reason='shellcheck is not installed')
 def test_shellcheck():
+  if shutil.which('shellcheck') is None:
+    if os.environ.get('DDRL_REQUIRE_SHELLCHECK'):
+      pytest.fail("shellcheck is not installed (.ci/run installs Debian's shellcheck)")
+    pytest.skip('shellcheck is not installed')
   proc = subprocess.run(['shellcheck', '-s', 'bash', *SCRIPTS], cwd=REPO, capture_output=True, text=True,
                         check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -338,8 +347,7 @@ def test_slurm_submit_dry_run(dry, config):
 
 
 def test_slurm_header_is_cosmos2b():
-  text = open(os.path.join(REPO, SLURM)).read()
-  header = dict(re.findall(r'^#SBATCH (--[a-z-]+)(?:=(\S*))?', text, re.M))
+  header = slurm_header()
   assert int(header['--nodes']) * int(header['--gpus-per-node']) == mesh_size('configs/cosmos2b.py')
   assert header['--ntasks-per-node'] == header['--gpus-per-node']
   assert '--exclusive' in header
@@ -515,16 +523,31 @@ def test_readme_table(config):
 
 
 def test_readme_table_commands_dry_run(stub_bin):
-  """The table's `bash ...` commands work as written (with --dry-run and a zone / bucket filled in)."""
+  """The table's commands work as written (with --dry-run and a zone / bucket filled in): `bash ...` as
+  run, `sbatch SCRIPT ...` as the job that sbatch starts with the script's #SBATCH nodes."""
+  kinds = []
   for model, _, _, cell in _readme_rows():
     command = shlex.split(cell.strip('`').replace('ZONE', 'us-east5-a').replace('BUCKET', 'bucket'))
-    if command[0] != 'bash':
+    kinds.append(command[0])
+    n = mesh_size(f'configs/{model}.py')
+    if command[0] == 'sbatch':
+      assert command[1] == SLURM, cell
+      header = slurm_header()
+      nodes = int(header['--nodes'])
+      env = dict(SLURM_JOB_ID='123', SLURM_JOB_NUM_NODES=str(nodes), SLURM_SUBMIT_DIR=REPO)
+      r = run_script(stub_bin, command[1], '--dry-run', *command[2:], env=env)
+      assert r.rc == 0, (cell, r.err)
+      assert nodes * int(header['--gpus-per-node']) == n and not r.find('sbatch')
+      srun = r.one('srun')
+      assert int(opt(srun, '--nodes')) == nodes
+      check_train(train_argv(srun), f'configs/{model}.py', opt(command, '--workdir'))
       continue
+    assert command[0] == 'bash', cell
     r = run_script(stub_bin, command[1], '--dry-run', *command[2:])
     assert r.rc == 0, (cell, r.err)
-    n = mesh_size(f'configs/{model}.py')
     if command[1] == GCLOUD:
       create = r.one('gcloud', 'compute', 'tpus', 'queued-resources', 'create')
       assert topology.topology(opt(create, '--accelerator-type')).num_chips == n
     else:
       assert int(opt(split_sbatch(r.one('sbatch'))[0], '--nodes')) * 8 == n
+  assert kinds.count('sbatch') == 1, kinds

@@ -9,10 +9,8 @@ scores them and the other receives the scores; without it each process holds its
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import portpicker
@@ -185,52 +183,3 @@ def test_loader_state_is_saved_per_process_and_needs_the_same_processes(tmp_path
   shutil.copytree(two['workdir'], one['workdir'])
   (report,) = run(1, one)
   assert 'IncompatibleCheckpoint' in report['error'] and 'another number of processes' in report['error']
-
-
-def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path):
-  """A preemption notice (SIGTERM) to process 1 only: JAX's preemption sync point makes both processes
-  stop after the same step, save that step's checkpoint together and exit 0."""
-  s = spec(tmp_path, 'preempt', overrides={'num_iterations': 500, 'checkpoint_every': 1000})
-  procs = start(2, s)
-  metrics = os.path.join(s['workdir'], 'metrics.jsonl')
-  deadline = time.time() + TIMEOUT_S
-  while time.time() < deadline and procs[1][0].poll() is None:
-    if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 2:
-      break
-    time.sleep(0.5)
-  procs[1][0].send_signal(signal.SIGTERM)
-  reports = wait(procs, s)
-  steps = [r['final_step'] for r in reports]
-  assert steps[0] == steps[1] and 2 <= steps[0] < 500, steps
-  assert all(r['stopped_by'] for r in reports), reports
-  assert sorted(os.listdir(os.path.join(s['workdir'], 'checkpoints'))) == [str(steps[0])]
-
-
-def test_a_failing_process_ends_the_job_instead_of_hanging_it(tmp_path):
-  """Process 1 raises in its first iteration while process 0 waits in a collective for it: both exit
-  non-zero within seconds to a minute (distributed.fail_fast), not after the 5-minute shutdown wait."""
-  s = spec(tmp_path, 'fail', fail_on_process=1)
-  t0 = time.time()
-  procs = start(2, s)
-  codes = [p.wait(timeout=TIMEOUT_S) for p, _ in procs]
-  for _, log in procs:
-    log.close()
-  assert all(c != 0 for c in codes), codes
-  assert time.time() - t0 < 150
-  with open(os.path.join(s['out'], 'log_1.txt')) as f:
-    assert 'injected failure on process 1' in f.read()
-
-
-def test_cosmos_smoke_iteration_equals_one_process(tmp_path):
-  """One cosmos2b:smoke DDRL iteration (tiny DiT, Ulysses context parallelism, the VAE decode and the
-  temporal-smoothness reward) in 2 processes with context across them, against 1 process."""
-  one = spec(tmp_path, 'c1', task='cosmos_smoke')
-  two = spec(tmp_path, 'c2', task='cosmos_smoke', context_across_processes=True)
-  run(1, one)
-  reports = run(2, two)
-  assert [r['lead'] for r in reports] == [True, False]
-  batch_1, batch_2 = load(one['out'], 'batch.npz'), load(two['out'], 'batch.npz')
-  for k in batch_1:
-    np.testing.assert_allclose(batch_1[k], batch_2[k], rtol=1e-6, atol=1e-6, err_msg=k)
-  assert_trees_close(load(one['out'], 'params.npz'), load(two['out'], 'params.npz'), rtol=1e-4,
-                     atol=1e-6)

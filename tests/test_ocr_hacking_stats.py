@@ -79,6 +79,16 @@ def test_colour_spread_is_one_for_data_and_zero_for_one_colour():
   _, other = tr.batch(1, range(128), 'heldout')
   data_stats = om.batch_stats(data)
   assert om.colour_spread(data_stats, data_stats) == (1.0, 1.0, 1.0)
+  # Independent references: background (columns 0-2) stretched 2x about its mean, ink (3-5) halved.
+  stretched = data_stats.copy()
+  for cols, factor in ((slice(0, 3), 2.0), (slice(3, 6), 0.5)):
+    mean = data_stats[:, cols].mean(0)
+    stretched[:, cols] = mean + factor * (data_stats[:, cols] - mean)
+  np.testing.assert_allclose(om.colour_spread(stretched, data_stats), (2.0, 0.5, 1.25), rtol=1e-12)
+  rms = lambda c: np.sqrt(np.trace(np.cov(c.T, bias=True)))      # sqrt(trace of the covariance)
+  other_stats = om.batch_stats(other)
+  want = [rms(other_stats[:, c]) / rms(data_stats[:, c]) for c in (slice(0, 3), slice(3, 6))]
+  np.testing.assert_allclose(om.colour_spread(other_stats, data_stats)[:2], want, rtol=1e-10)
   np.testing.assert_allclose(om.colour_spread(np.repeat(data_stats[:1], 16, 0), data_stats), 0, atol=1e-12)
   background, ink, spread = om.colour_spread(om.batch_stats(other), data_stats)
   assert 0.85 < background < 1.15 and 0.85 < ink < 1.15 and spread == pytest.approx((background + ink) / 2)

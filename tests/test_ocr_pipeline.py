@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from configs import ocr_tiny
 from ddrl_jax import metrics as metrics_lib
@@ -32,6 +33,7 @@ def tiny_config(**pre):
   return c
 
 
+@pytest.mark.slow
 def test_pretrain_resumes_exactly_and_exports_loadable_weights(tmp_path):
   straight = pretrain.pretrain(tiny_config(), tmp_path / 'a', progress=False)
   pretrain.pretrain(tiny_config(steps=2), tmp_path / 'b', progress=False)
@@ -60,6 +62,7 @@ def test_missing_base_checkpoint_is_a_clear_error(tmp_path):
     raise AssertionError('no error')
 
 
+@pytest.mark.slow
 def test_main_job_config_trains_from_the_base_with_real_ocr(tmp_path):
   base = pretrain.pretrain(tiny_config(), tmp_path / 'pre', progress=False)
   del base
@@ -91,6 +94,7 @@ def test_main_job_config_trains_from_the_base_with_real_ocr(tmp_path):
   assert os.path.exists(tmp_path / 'ev' / 'e_001.png')
 
 
+@pytest.mark.slow
 def test_synthetic_regularization_from_base_samples(tmp_path):
   from ddrl_jax.data import records as records_lib  # pylint: disable=g-import-not-at-top
   from ddrl_jax.data import synthesize  # pylint: disable=g-import-not-at-top

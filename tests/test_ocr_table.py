@@ -2,6 +2,8 @@
 import json
 import os
 import sys
+import time
+import types
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
 
 import ocr_table  # pylint: disable=wrong-import-position
+from configs import ocr_tiny  # pylint: disable=wrong-import-position
 from ddrl_jax import metrics as metrics_lib  # pylint: disable=wrong-import-position
 
 
@@ -50,8 +53,131 @@ def test_summary_uses_the_last_iteration_every_seed_reached():
   assert '(data 0.60)' in text and text.count('\n') == 3
 
 
+class _FakeTrainer:
+  """What ocr_table.Runner uses of a Trainer, without a model: a checkpoint is a file holding the step,
+  and every build / trained iteration / evaluation goes to `calls` (kept across Runners, as across
+  processes), so the plan, resume and budget logic is checked in seconds."""
+  calls = []
+
+  def __init__(self, config, workdir):
+    self.config, self.workdir = config, str(workdir)
+    self.apply_fn = self.task = None
+    self.state = types.SimpleNamespace(params=None)
+    self.ckpt = types.SimpleNamespace(wait_until_finished=lambda: None)
+    parts = self.workdir.split(os.sep)
+    self.name = '/'.join(parts[-1:] if parts[-1] == 'base' else parts[-2:])   # base, METHOD/seedS
+
+  def _set_step(self, step):
+    self.step = step
+    self.state.params = (self.name, step)     # what _fake_evaluate sees of the model
+
+  def restore_or_init(self):
+    path = os.path.join(self.workdir, 'step')
+    self._set_step(int(open(path).read()) if os.path.exists(path) else 0)
+    return self.step
+
+  def _build(self):
+    self.calls.append(('build', self.name))
+
+  def train_iteration(self, i):
+    assert i == self.step, (i, self.step)
+    self.calls.append(('train', self.name, i))
+    time.sleep(0.01)                           # measurable train_seconds
+    self._set_step(i + 1)
+    return {'loss': 1.0 / (i + 1), 'reward_mean': 0.1 * i}
+
+  def save(self):
+    os.makedirs(self.workdir, exist_ok=True)
+    with open(os.path.join(self.workdir, 'step'), 'w') as f:
+      f.write(str(self.step))
+
+  def close_rewards(self):
+    pass
+
+
+def _fake_evaluate(config, apply_fn, params, task, prompts, per_prompt, reference_stats=None,
+                   return_stats=False):
+  del config, apply_fn, task, return_stats
+  _FakeTrainer.calls.append(('eval',) + params)
+  time.sleep(0.01)                             # longer than the 6 ms budget below
+  name, step = params
+  metrics = dict(ocr_heldout=0.25 + 0.01 * step, style_drift=float(len(name)))
+  if reference_stats is not None:
+    metrics['style_drift_from_reference'] = 0.5 * step
+  m = prompts * per_prompt
+  return metrics, np.zeros((m, 4, 4, 3), np.uint8), np.zeros((m, 12))
+
+
+@pytest.fixture
+def fake_cells(monkeypatch):
+  monkeypatch.setattr(ocr_table, 'trainer_lib', types.SimpleNamespace(Trainer=_FakeTrainer))
+  monkeypatch.setattr(ocr_table.evaluate_lib, 'evaluate_ocr', _fake_evaluate)
+  _FakeTrainer.calls = []
+  return _FakeTrainer.calls
+
+
+def _keys(work):
+  return [(r['method'], r['seed'], r['iteration'])
+          for r in ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))]
+
+
+def test_a_budgeted_run_resumes_without_repeating_work_stub(tmp_path, fake_cells):
+  """The slow test below with the cell's training and evaluation stubbed: every iteration is trained
+  and every checkpoint evaluated exactly once over a budgeted run and two reruns."""
+  work, out = tmp_path / 'work', tmp_path / 'out'
+  out.mkdir()
+  argv = ['--cells=ddrl:0', '--iterations=2', '--eval_every=1', '--prompts=2', '--per_prompt=2',
+          f'--workdir={work}', f'--out={out}']
+  args = ocr_table.parse_args(argv + ['--budget_minutes=0.0001'])
+  assert ocr_table.Runner(args, {}).run(ocr_table.parse_cells(args.cells)) is False
+  assert fake_cells == [('eval', 'base', 0), ('build', 'ddrl/seed0'), ('eval', 'ddrl/seed0', 0)]
+  assert _keys(work) == [('base', 0, 0), ('ddrl', 0, 0)]
+  del fake_cells[:]
+  ocr_table.main(argv)
+  assert fake_cells == [('build', 'ddrl/seed0'), ('train', 'ddrl/seed0', 0), ('eval', 'ddrl/seed0', 1),
+                        ('train', 'ddrl/seed0', 1), ('eval', 'ddrl/seed0', 2)]
+  rows = ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))
+  assert _keys(work) == [('base', 0, 0), ('ddrl', 0, 0), ('ddrl', 0, 1), ('ddrl', 0, 2)]
+  assert [r['train_seconds'] for r in rows[1:2]] == [0.0]
+  assert rows[-1]['train_seconds'] > rows[-2]['train_seconds'] >= 0.01
+  assert [r['ocr_heldout'] for r in rows] == pytest.approx([0.25, 0.25, 0.26, 0.27])
+  assert 'style_drift_from_reference' in rows[-1]
+  rollout, train = ocr_table.passes_per_condition(ocr_tiny.get_config('ddrl'))
+  assert rows[-1]['passes_rollout'] == rollout > 0 and rows[-1]['passes_train'] == train > 0
+  assert rows[0]['passes_rollout'] == rows[0]['passes_train'] == 0
+  curves = [r for r in metrics_lib.read_metrics(work / 'ddrl' / 'seed0') if 'loss' in r]
+  assert [(r['step'], r['loss']) for r in curves] == [(1, 1.0), (2, 0.5)]
+  with open(out / 'ocr_methods.jsonl', encoding='utf-8') as f:
+    assert len([json.loads(line) for line in f]) == 4
+  assert (out / 'ocr_methods_ddrl.png').exists() and (out / 'ocr_methods_base.png').exists()
+  del fake_cells[:]
+  ocr_table.main(argv)                                  # finished: nothing trains or evaluates again
+  assert fake_cells == [] and len(_keys(work)) == 4
+
+
+def test_cells_run_seed_major_and_resume_where_they_stopped(tmp_path, fake_cells):
+  """Stubbed cells: every method's seed 0 before any seed 1; a budget cut between cells resumes with
+  the next cell; the sample grid is the first seed's."""
+  work, out = tmp_path / 'work', tmp_path / 'out'
+  out.mkdir()
+  argv = ['--cells=ddrl:0,1;dance_grpo:0', '--iterations=2', '--eval_every=2', '--prompts=1',
+          '--per_prompt=2', f'--workdir={work}', f'--out={out}']
+  ocr_table.main(argv + ['--budget_minutes=0.0001'])    # one cell (no budget check before the first)
+  assert _keys(work) == [('base', 0, 0), ('ddrl', 0, 0)]
+  ocr_table.main(argv)
+  assert _keys(work) == [('base', 0, 0), ('ddrl', 0, 0), ('ddrl', 0, 2), ('dance_grpo', 0, 0),
+                         ('dance_grpo', 0, 2), ('ddrl', 1, 0), ('ddrl', 1, 2)]
+  trained = [c[1:] for c in fake_cells if c[0] == 'train']
+  assert trained == [('ddrl/seed0', 0), ('ddrl/seed0', 1), ('dance_grpo/seed0', 0),
+                     ('dance_grpo/seed0', 1), ('ddrl/seed1', 0), ('ddrl/seed1', 1)]
+  assert sorted(p.name for p in out.glob('*.png')) == [
+      'ocr_methods.png', 'ocr_methods_base.png', 'ocr_methods_dance_grpo.png', 'ocr_methods_ddrl.png']
+
+
+@pytest.mark.slow
 def test_a_budgeted_run_resumes_without_repeating_work(tmp_path):
-  """Two 1-iteration intervals of one cell, the second in a new process-like Runner: the first run is
+  """Two 1-iteration intervals of one real cell (training and evaluation; the stubbed test above
+  checks the same plan in seconds), the second in a new process-like Runner: the first run is
   cut by its budget after one interval, the second trains only the remaining one."""
   work, out = tmp_path / 'work', tmp_path / 'out'
   out.mkdir()

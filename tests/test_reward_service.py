@@ -93,6 +93,7 @@ def test_scores_match_direct_computation_including_real_ocr(redis_url, servers):
   np.testing.assert_allclose(result.matrix(['ocr', 'mean_intensity'])[:, 0], [1.0, 0.6, 1.0])
 
 
+@pytest.mark.slow
 def test_killed_worker_and_hung_worker_give_nan_for_their_chunk_only(redis_url, servers):
   servers(workers=2, chunk_timeout=2)
   svc = client(redis_url, {'mean_intensity': 1.0, 'debug_crash': 1.0, 'debug_sleep': 1.0},
@@ -173,6 +174,7 @@ def test_unreachable_redis_fails_the_batch_after_bounded_retries():
   assert svc.stats['retries'] == 2 and 'could not submit' in result.errors[0]
 
 
+@pytest.mark.slow
 def test_queued_tasks_wait_for_a_server_and_a_killed_server_s_task_is_rescored(redis_url, servers):
   svc = client(redis_url, {'debug_sleep': 1.0}, {'debug_sleep': {'seconds': 3.0}})
   early = svc.submit(IMAGES[:2], ['x', 'y'])              # no server yet: stays queued
@@ -193,6 +195,7 @@ def test_queued_tasks_wait_for_a_server_and_a_killed_server_s_task_is_rescored(r
   second.send_signal(signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_task_that_kills_every_server_is_given_up(redis_url, servers):
   svc = client(redis_url, {'debug_sleep': 1.0}, {'debug_sleep': {'seconds': 30.0}})
   pending = svc.submit(IMAGES[:1], ['x'])
@@ -210,6 +213,7 @@ def test_task_that_kills_every_server_is_given_up(redis_url, servers):
   assert any('gave up' in e for e in result.errors)
 
 
+@pytest.mark.slow
 def test_two_servers_share_the_queue(redis_url, servers):
   servers(name='s1', max_inflight=1)
   servers(name='s2', max_inflight=1)

@@ -1,10 +1,13 @@
 """Sharding: logical rules at the paper's meshes, sharded init, gradients accumulated per trained step
 (equal to the gradient of the scan, memory flat in K), and the sharded DDRL update on FSDP x context
 meshes of 8 fake CPU devices equal to one device."""
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
@@ -144,6 +147,17 @@ def test_compute_cast_makes_bf16_matmul_weights_and_keeps_results():
       lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract))
   cast = task.cast_params(params)
   dtype = lambda tree, *k: _leaf(tree, *k).get_value().dtype
+  # Every leaf, by name: the kernels and biases of the attention projections, the MLP, crossattn_proj and
+  # x_embedder compute in bf16; the adaLN, t_embedder and final layers and the norm scales stay fp32.
+  def computes_in_bf16(path):
+    keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
+    keys = keys[:-1] if keys[-1] == 'value' else keys             # a Variable's value in an nnx.State
+    return keys[-1] in ('kernel', 'bias') and (keys[0] in ('crossattn_proj', 'x_embedder') or (
+        keys[0] == 'blocks' and keys[1] in ('self_attn', 'cross_attn', 'mlp')))
+  flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+  assert 0 < sum(computes_in_bf16(p) for p, _ in flat_params) < len(flat_params)
+  for (path, _), c in zip(flat_params, jax.tree.leaves(cast)):
+    assert c.dtype == (jnp.bfloat16 if computes_in_bf16(path) else jnp.float32), jax.tree_util.keystr(path)
   assert dtype(cast, 'blocks', 'mlp', 'layer1', 'kernel') == jnp.bfloat16
   assert dtype(cast, 'crossattn_proj', 'bias') == jnp.bfloat16
   for fp32 in (('blocks', 'adaln_modulation_mlp', 'linear_1', 'kernel'), ('final_layer', 'linear', 'kernel'),
@@ -158,7 +172,9 @@ def test_compute_cast_makes_bf16_matmul_weights_and_keeps_results():
                  static_argnums=1)
   # The reference keeps fp32 masters whose values are already bf16-exact: XLA:CPU is allowed excess
   # precision (xla_allow_excess_precision) and may drop an f32 -> bf16 -> f32 round trip of a weight.
-  rounded = lambda p: jax.tree.map(lambda a, c: c.astype(a.dtype), p, task.cast_params(p))
+  # It rounds the leaves named above itself (not through cast_params, the function under test).
+  rounded = lambda p: jax.tree_util.tree_map_with_path(
+      lambda path, a: a.astype(jnp.bfloat16).astype(a.dtype) if computes_in_bf16(path) else a, p)
   np.testing.assert_allclose(loss(params, task.cast_params), loss(params, rounded), rtol=1e-6)
   chex.assert_trees_all_close(grad(params, task.cast_params), grad(params, rounded), rtol=1e-5, atol=1e-7)
 
@@ -186,7 +202,8 @@ def _tiny_dit_batch(config, b=4, n=2, seed=0):
 
 @pytest.mark.parametrize('what', ['ddrl_full', 'ddrl_reduced', 'flow_grpo_kl'])
 def test_per_step_gradients_equal_the_gradient_of_the_scan(what, tiny_mlp):
-  """Toy MLP and the tiny DiT: rl_loss_and_grad (the trainer's form) against jax.grad of rl_loss."""
+  """Toy MLP and the tiny DiT: rl_loss_and_grad (the trainer's form) against jax.grad of
+  rl_loss_reference (the plain scan)."""
   config = cosmos2b.get_config('smoke')
   cases = []
   if what == 'ddrl_full':       # the DiT once (compiles dominate on 2 cores), the MLP for every form
@@ -209,7 +226,7 @@ def test_per_step_gradients_equal_the_gradient_of_the_scan(what, tiny_mlp):
       kw.update(ref_params=ref, kl_beta=0.3, log_ratio_form='gaussian')
     key = jax.random.key(11)
     ref_fn = jax.jit(jax.value_and_grad(
-        lambda p: algorithms.rl_loss(apply_fn, p, sampler, trj, adv, steps, cnd, key, **kw),
+        lambda p: algorithms.rl_loss_reference(apply_fn, p, sampler, trj, adv, steps, cnd, key, **kw),
         has_aux=True))
     (loss0, metrics0), grads0 = ref_fn(params)
     loss1, metrics1, grads1 = jax.jit(lambda p: algorithms.rl_loss_and_grad(
@@ -224,8 +241,9 @@ def test_per_step_gradients_equal_the_gradient_of_the_scan(what, tiny_mlp):
 
 
 def test_per_step_gradient_memory_is_flat_in_k():
-  """compiled.memory_analysis() temp bytes at K = 2 and K = 8: within 15% for the per-step form, while
-  the gradient of the scan keeps every step's residuals."""
+  """compiled.memory_analysis() temp bytes at K = 2 and K = 8: within 15% for the per-step form and for
+  jax.grad of the public rl_loss (its custom VJP runs the per-step form), while the gradient of the plain
+  scan keeps every step's residuals."""
   config = cosmos2b.get_config('smoke')
   config.sampler.num_steps = 10
   config.cosmos.dit_overrides = dict(num_blocks=1)
@@ -240,22 +258,37 @@ def test_per_step_gradient_memory_is_flat_in_k():
     kw = dict(clip_range=0.2, log_ratio_form='cosmos', data=data)
     per_step = lambda p, t, a, s, c, key: algorithms.rl_loss_and_grad(
         apply_fn, p, sampler, t, a, s, c, key, **kw)[2]
-    of_scan = lambda p, t, a, s, c, key: jax.grad(lambda q: algorithms.rl_loss(
+    grad_of = lambda loss: lambda p, t, a, s, c, key: jax.grad(lambda q: loss(
         apply_fn, q, sampler, t, a, s, c, key, **kw)[0])(p)
-    for name, fn in (('per_step', per_step), ('of_scan', of_scan)):
+    for name, fn in (('per_step', per_step), ('public', grad_of(algorithms.rl_loss)),
+                     ('of_scan', grad_of(algorithms.rl_loss_reference))):
       temp[name, k] = jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
   assert temp['per_step', 8] < 1.15 * temp['per_step', 2], temp
+  assert temp['public', 8] < 1.15 * temp['public', 2], temp
   assert temp['of_scan', 8] > 1.5 * temp['of_scan', 2], temp   # the check can fail: the old form grows
 
 
 # --------------------------------------------------------------------------- the sharded DDRL update
+def _device_bytes(tree, device):
+  """Bytes of a tree's arrays held on `device` (their addressable shards there)."""
+  return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
+
+
 @pytest.mark.parametrize('mesh', [dict(data=2, fsdp=2, context=2), dict(data=1, fsdp=4, context=2)])
 def test_sharded_ddrl_update_equals_one_device(mesh):
   """One fused DDRL step of the tiny DiT (FSDP parameters, Ulysses self-attention over 2 context
-  devices, sequence-sharded activations) equals the same step on one device."""
+  devices, sequence-sharded activations) equals the same step on one device: the parameter update, the
+  Adam moments and the metrics, with each FSDP device holding 1/fsdp of the parameters."""
   config = cosmos2b.get_config('smoke')
   config.sharding.context_impl = 'ulysses'
+  # A full learning rate from the first step (no warmup) and Adam's eps near the gradients' size, so the
+  # first update lr * g / (|g| + eps) follows the gradient's magnitude, not only its sign; a clip range
+  # that the ratios of a policy 1e-3 away from the rollout's stay inside (pg_loss ~1e-3, not round-off).
+  config.optim.update(warmup_steps=0, learning_rate=1e-2, eps=1e-2)
+  config.rl.clip_range = 0.2
   task, apply_fn, params, sampler, traj, cond, x0 = _tiny_dit_batch(config, b=4, n=2)
+  rng = np.random.RandomState(3)
+  params = jax.tree.map(lambda p: p * (1 + 1e-3 * jnp.asarray(rng.randn(*p.shape), jnp.float32)), params)
   b, n = traj.x0.shape[:2]
   rewards = jnp.asarray(np.random.RandomState(2).rand(b, n), jnp.float32)
   flat = trainer_lib.flat_rollout_batch(traj, rewards, cond)
@@ -274,17 +307,38 @@ def test_sharded_ddrl_update_equals_one_device(mesh):
             trainer_lib.place_data(plan, data), key)
     texts[len(devices)] = fn.lower(*args).compile().as_text()
     new_state, metrics = fn(*args)
+    mu, nu = (optax.tree_utils.tree_get(new_state.opt_state, k) for k in ('mu', 'nu'))
     if len(devices) == 8:
       kernel = _leaf(new_state.params, 'blocks', 'mlp', 'layer1', 'kernel').get_value()
       assert len({str(s.index) for s in kernel.addressable_shards}) == sizes['fsdp']
-    results[len(devices)] = jax.device_get((nnx.to_pure_dict(new_state.params), metrics))
-  (p1, m1), (p8, m8) = results[1], results[8]
+      # Per-device bytes: only the per-head q/k norm scales are replicated, the rest is split fsdp ways.
+      leaves = jax.tree_util.tree_flatten_with_path(new_state.params)[0]
+      total = sum(a.nbytes for _, a in leaves)
+      kv = sum(a.nbytes for p, a in leaves if re.search(r"\['[qk]_norm'\]", jax.tree_util.keystr(p)))
+      assert 0 < kv < 0.01 * total
+      per_device = _device_bytes(new_state.params, devices[0])
+      assert per_device == (total - kv) // sizes['fsdp'] + kv, (per_device, total, kv)
+      for tree in (mu, nu, new_state.ema_params):
+        assert _device_bytes(tree, devices[0]) == per_device
+    results[len(devices)] = jax.device_get((nnx.to_pure_dict(new_state.params), metrics,
+                                            nnx.to_pure_dict(mu)))
+  (p1, m1, mu1), (p8, m8, mu8) = results[1], results[8]
+  p0 = jax.device_get(nnx.to_pure_dict(params))
   chex.assert_trees_all_close(p8, p1, rtol=1e-5, atol=1e-6)
-  # pg_loss ~ mean(-A * ratio) ~ 1e-7 with zero-mean advantages: round-off of the sums' order (x10 in loss).
+  # The update and Adam's first moment (0.1 x the clipped gradient) of every parameter; rtol for the
+  # order of float32 sums, atol for entries that are round-off themselves.
+  du1, du8 = (jax.tree.map(np.subtract, p, p0) for p in (p1, p8))
+  for got, want in ((du8, du1), (mu8, mu1)):
+    scale = max(float(np.abs(a).max()) for a in jax.tree.leaves(want))
+    assert scale > 0 and min(float(np.abs(a).max()) for a in jax.tree.leaves(want)) > 1e-3 * scale
+    chex.assert_trees_all_close(got, want, rtol=1e-3, atol=1e-4 * scale)
   for k in ('loss', 'pg_loss', 'data_loss', 'grad_norm', 'reward_mean'):
     np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5, atol=1e-5, err_msg=k)
+  assert abs(m1['pg_loss']) > 1e-4 and m1['clipfrac'] == 0, m1
+  np.testing.assert_allclose(m8['pg_loss'], m1['pg_loss'], rtol=1e-3)
   assert 'all-to-all' in texts[8] and 'all-to-all' not in texts[1]     # Ulysses
-  assert 'all-gather' in texts[8] and 'reduce-scatter' in texts[8] or 'all-reduce' in texts[8]
+  assert 'all-gather' in texts[8] and ('reduce-scatter' in texts[8] or 'all-reduce' in texts[8])
+  assert 'all-gather' not in texts[1]
 
 
 @pytest.mark.parametrize('axes, mergeable', [({'data': 8}, True), ({'data': 2, 'fsdp': 4}, True),

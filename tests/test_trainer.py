@@ -116,6 +116,9 @@ def _batch_for(config, seed=0):
 @pytest.mark.parametrize('preset', ['ddrl', 'flow_grpo'])
 def test_sharded_step_equals_single_device(preset):
   config = small_config(preset)
+  # The full learning rate at step 0 (no warmup) and Adam's eps near the gradients' size: the first
+  # update -lr g / (|g| + eps) then follows each gradient's magnitude, not only its sign.
+  config.optim.update(warmup_steps=0, learning_rate=1e-2, eps=1e-2)
   apply_fn, params, sampler, (traj, rewards, cond), data = _batch_for(config)
   rollout = trainer_lib.RolloutBatch(traj=traj, rewards=rewards, cond=cond)   # group layout
   flat = trainer_lib.flat_rollout_batch(traj, rewards, cond)                  # the trainer's layout
@@ -156,6 +159,11 @@ def test_sharded_step_equals_single_device(preset):
   np.testing.assert_allclose(l1, l8, rtol=1e-5, atol=1e-7)
   chex.assert_trees_all_close(g1, g8, rtol=1e-5, atol=1e-7)
   chex.assert_trees_all_close(p1, p8, rtol=1e-5, atol=1e-7)
+  f64 = lambda a: np.asarray(a, np.float64)
+  du1, du8 = (jax.tree.map(lambda a, b: f64(a) - f64(b), p, params) for p in (p1, p8))
+  scale = max(float(np.abs(d).max()) for d in jax.tree.leaves(du1))
+  assert min(float(np.abs(d).max()) for d in jax.tree.leaves(du1)) > 1e-2 * scale > 0, du1   # all move
+  chex.assert_trees_all_close(du8, du1, rtol=1e-4, atol=1e-4 * scale)
   for k in ('loss', 'pg_loss', 'grad_norm', 'reward_mean', 'failed_rewards'):
     np.testing.assert_allclose(m1[k], m8[k], rtol=1e-5, atol=1e-7, err_msg=k)
   assert m1['failed_rewards'] == 1
@@ -166,9 +174,17 @@ def test_ddrl_state_holds_no_reference_or_old_copy():
   c = small_config('ddrl')
   state = trainer_lib.init_train_state({'w': jnp.ones(3)}, c, optim.make_optimizer(c.optim))
   assert state.ref_params is None
+  assert state.old_params is None
   c = small_config('flow_grpo')
   state = trainer_lib.init_train_state({'w': jnp.ones(3)}, c, optim.make_optimizer(c.optim))
   assert state.ref_params is not None
+  assert state.old_params is None                       # GRPO: the rollout's own log-probs, no old copy
+  np.testing.assert_array_equal(state.ref_params['w'], np.ones(3))
+  c = small_config('diffusion_nft')                     # the old policy (an EMA of params) is its own copy
+  params = {'w': jnp.ones(3)}
+  state = trainer_lib.init_train_state(params, c, optim.make_optimizer(c.optim))
+  assert state.old_params is not None and state.old_params['w'] is not params['w']
+  np.testing.assert_array_equal(state.old_params['w'], np.ones(3))
 
 
 # ---------------------------------------------------------------------------------- resume / CLI
@@ -197,5 +213,15 @@ def test_baselines_train_through_the_trainer(preset, tmp_path):
   moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()),
                        trainer.state.params, before)
   assert min(jax.tree.leaves(moved)) > 0
+  # Values a wrong loop would change: 3 AdamW steps at the configured rate (each moves an entry by at
+  # most ~lr: |m_hat / sqrt(v_hat)| <= 1.003 for b1 0.9, b2 0.99, t <= 3; weight decay 0), rollouts of T
+  # steps of the algorithm's sampler, group-centred advantages, and a KL that is 0 before the first step.
+  lr = c.optim.learning_rate
+  assert c.optim.weight_decay == 0 and int(trainer.state.step) == 3
+  assert 0.5 * lr < max(jax.tree.leaves(moved)) <= 3.01 * lr, (moved, lr)
+  for r in rows.values():
+    assert r['learning_rate'] == pytest.approx(lr) and r['nfe_rollout'] == c.sampler.num_steps, r
+    assert r['failed_rewards'] == 0 and abs(r['adv_mean']) < 1e-6, r
   if preset == 'flow_grpo':   # the frozen reference stays at the initial parameters
     jax.tree.map(np.testing.assert_array_equal, trainer.state.ref_params, before)
+    assert rows[1]['kl'] == 0 and rows[2]['kl'] > 0 and rows[3]['kl'] > 0, rows

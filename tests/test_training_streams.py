@@ -122,6 +122,7 @@ def test_trainer_update_equals_value_and_grad_of_the_public_loss(preset):
                               atol=1e-8)
 
 
+@pytest.mark.slow
 def test_crashing_reward_is_counted_then_stops_training(tmp_path):
   c = small_config('ddrl', num_iterations=5)
   c.reward.fns = ml_collections.ConfigDict({'debug_crash': 1.0})
@@ -142,6 +143,7 @@ def _records_config(path, **overrides):
   return c
 
 
+@pytest.mark.slow
 def test_synthesized_records_train_and_resume_continues_the_stream(tmp_path):
   base = small_config('ddrl')
   summary = synthesize.synthesize(base, str(tmp_path / 'syn'), per_prompt=100, batch=64,

@@ -27,7 +27,7 @@ from ddrl_jax import parallel
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.data import records as records_lib
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger('ddrl_jax.data.synthesize')   # not __name__: '__main__' under python -m
 
 
 def read_prompts(path):

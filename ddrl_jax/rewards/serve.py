@@ -25,7 +25,7 @@ from ddrl_jax.rewards import redis_backend
 from ddrl_jax.rewards import registry
 from ddrl_jax.rewards import wire
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger('ddrl_jax.rewards.serve')   # not __name__: '__main__' under python -m
 
 _REDIS = flags.DEFINE_string('redis', 'redis://localhost:6379/0', 'Redis URL of the task queue.')
 _TOKEN = flags.DEFINE_string('token', None, 'Bearer token; default: $DDRL_REWARD_TOKEN.')
