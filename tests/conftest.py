@@ -78,6 +78,11 @@ SLOW_TESTS = frozenset([
     'test_convert.py::test_converted_checkpoint_starts_the_video_task',
     'test_training_streams.py::test_trainer_update_equals_value_and_grad_of_the_public_loss[flow_grpo]',
     'test_losses.py::test_public_loss_other_derivatives_fall_back_to_the_reference',
+    'test_attention.py::test_splash_matches_xla[200]',              # [256] stays
+    'test_wan_vae.py::test_encode_matches_diffusers[9]',            # [1] and [5] stay
+    'test_wan_vae.py::test_decode_matches_diffusers[9]',
+    'test_diffusion_nft.py::test_failed_samples_leave_the_means',
+    'test_faithful_baselines.py::test_rl_loss_kl_form_flow_grpo_is_exact_times_dt',
 ])
 # benchmarks/step_speed.py --quick, run by its tests, times the trainer, the public path, its reference
 # form and torch: minutes of compiles; the library path it times is tested in test_losses.py.
