@@ -28,6 +28,10 @@ def start(num_processes, spec, devices_per_process=None):
   env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_NUM_CPU_DEVICES=str(devices_per_process),
              JAX_CPU_COLLECTIVES_IMPLEMENTATION='gloo', PYTHONPATH=ROOT)
   env.pop('XLA_FLAGS', None)
+  if num_processes > 1:
+    # Not the suite's persistent compilation cache (tests/conftest.py): a multi-process job whose
+    # executables come from it fails its first Gloo collective (context initialization times out).
+    env.pop('JAX_COMPILATION_CACHE_DIR', None)
   os.makedirs(spec['out'], exist_ok=True)
   procs = []
   for i in range(num_processes):
