@@ -31,6 +31,7 @@ LAUNCH = os.path.join(REPO, 'launch')
 GCLOUD = 'launch/tpu/gcloud_v5p.sh'
 XPK = 'launch/tpu/xpk_v5p.sh'
 SLURM = 'launch/gpu/slurm.sbatch'
+HOST_SETUP = 'launch/tpu/host_setup.sh'
 SCRIPTS = (GCLOUD, XPK, SLURM)
 CONFIGS = ('configs/cosmos2b.py', 'configs/cosmos14b.py')
 STUBS = ('gcloud', 'xpk', 'sbatch', 'srun', 'docker', 'redis-server')
@@ -151,7 +152,7 @@ def opt(argv, name):
 
 def split_sbatch(words):
   """An sbatch line -> (sbatch and its options, the script's own arguments)."""
-  at = [i for i, w in enumerate(words) if w.endswith('launch/gpu/slurm.sbatch')]
+  at = [i for i, w in enumerate(words) if w.endswith('/slurm.sbatch')]
   assert len(at) == 1, words
   return words[:at[0]], words[at[0] + 1:]
 
@@ -183,6 +184,25 @@ def env_assignment(words, name):
   return values[0]
 
 
+def srun_steps(result):
+  """The srun commands of a run, from `srun` on: the training step's `srun ...` and the CPU-only steps'
+  `env -u SLURM_GPUS_PER_NODE srun ...` (checked to carry --gres=none)."""
+  steps = []
+  for c in result.commands:
+    if c[0] == 'srun':
+      steps.append(c)
+    elif c[:4] == ['env', '-u', 'SLURM_GPUS_PER_NODE', 'srun']:
+      assert '--gres=none' in c, c
+      steps.append(c[3:])
+  return steps
+
+
+def train_step(result):
+  found = [c for c in srun_steps(result) if 'ddrl_jax.train' in c]
+  assert len(found) == 1, result.lines
+  return found[0]
+
+
 def check_train(argv, config, workdir):
   assert opt(argv, '--config') == config
   assert opt(argv, '--workdir') == workdir
@@ -196,7 +216,7 @@ def check_libtpu(value):
 
 
 # --------------------------------------------------------------------------------- syntax, help
-@pytest.mark.parametrize('script', SCRIPTS)
+@pytest.mark.parametrize('script', SCRIPTS + (HOST_SETUP,))
 def test_bash_syntax(script):
   proc = subprocess.run(['bash', '-n', script], cwd=REPO, capture_output=True, text=True, check=False)
   assert proc.returncode == 0, proc.stderr
@@ -207,7 +227,7 @@ def test_shellcheck():
     if os.environ.get('DDRL_REQUIRE_SHELLCHECK'):
       pytest.fail("shellcheck is not installed (.ci/run installs Debian's shellcheck)")
     pytest.skip('shellcheck is not installed')
-  proc = subprocess.run(['shellcheck', '-s', 'bash', *SCRIPTS], cwd=REPO, capture_output=True, text=True,
+  proc = subprocess.run(['shellcheck', '-s', 'bash', *SCRIPTS, HOST_SETUP], cwd=REPO, capture_output=True, text=True,
                         check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -258,15 +278,21 @@ def test_gcloud_dry_run(dry, config, queued):
   assert set(re.findall(r'v5p-[0-9]+', r.out)) == {accelerator}   # every command names the same slice
 
   ssh = r.find('gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh')
-  assert ssh and all(c[5] == name and '--worker=all' in c and opt(c, '--zone') == 'us-east5-a'
-                     for c in ssh)
-  remote = [opt(c, '--command') for c in ssh]
-  assert any("pip install -e '.[tpu,video]'" in c for c in remote), remote
+  assert ssh and all(c[5] == name and opt(c, '--zone') == 'us-east5-a' for c in ssh)
+  # The install: one ssh (and scp) per host, every host exactly once, so a failing host can be named;
+  # the training: one ssh to all hosts at once.
+  hosts = topology.topology(accelerator).num_chips // 4                     # v5p: 4 chips per host
+  installs = [c for c in ssh if 'host_setup.sh' in opt(c, '--command')]
+  assert sorted(int(opt(c, '--worker')) for c in installs) == list(range(hosts))
+  scps = r.find('gcloud', 'compute', 'tpus', 'tpu-vm', 'scp')
+  assert sorted(int(opt(c, '--worker')) for c in scps) == list(range(hosts))
+  setup = remote_words(opt(installs[0], '--command'))
+  assert setup[setup.index('bash') + 1] == '~/ddrl_jax/' + HOST_SETUP
+  assert opt(setup, '--python') == 'python3.11' and opt(setup, '--extras') == 'tpu,video'
+  remote = [opt(c, '--command') for c in ssh if opt(c, '--worker') == 'all']
   train = [remote_words(c) for c in remote if 'ddrl_jax.train' in c]
-  assert len(train) == 1, remote
+  assert len(train) == 1 and len(remote) == 1, remote
   assert '~/ddrl_venv/bin/python -m ddrl_jax.train' in ' '.join(train[0])
-  install = [c for c in remote if 'pip install -e' in c][0]
-  assert 'python3.11 -m venv ~/ddrl_venv' in install      # jax 0.10.2 needs Python >= 3.11
   check_train(train_argv(train[0]), config, 'gs://bucket/run')
   check_libtpu(env_assignment(train[0], 'LIBTPU_INIT_ARGS'))
 
@@ -330,12 +356,15 @@ def test_slurm_submit_dry_run(dry, config):
   nodes, gpn = int(opt(sbatch, '--nodes')), int(opt(sbatch, '--gpus-per-node'))
   assert gpn == 8 and int(opt(sbatch, '--ntasks-per-node')) == gpn     # one process per GPU
   assert nodes * gpn == mesh_size(config)
-  assert '--exclusive' in sbatch
+  assert '--exclusive' in sbatch and opt(sbatch, '--mem') == '0'    # all of each node's memory
   assert opt(script_args, '--config') == config
   assert opt(script_args, '--workdir') == '/shared/run'
 
-  srun = r.one('srun')            # --rewards=local: the training step alone
+  assert len(srun_steps(r)) == 1  # --rewards=local: the training step alone
+  srun = r.one('srun')
   assert int(opt(srun, '--nodes')) == nodes and int(opt(srun, '--ntasks-per-node')) == gpn
+  assert opt(srun, '--mem') == '0' and '--overlap' in srun and int(opt(srun, '--gpus-per-node')) == gpn
+  assert opt(srun, '--cpus-per-task') == '<node CPUs/8>'     # outside a job: the job fills it in
   assert '--gpus-per-task' not in ' '.join(srun) and '--gpu-bind' not in ' '.join(srun)
   assert 'python -m ddrl_jax.train' in ' '.join(srun)
   check_train(train_argv(srun), config, '/shared/run')
@@ -350,7 +379,7 @@ def test_slurm_header_is_cosmos2b():
   header = slurm_header()
   assert int(header['--nodes']) * int(header['--gpus-per-node']) == mesh_size('configs/cosmos2b.py')
   assert header['--ntasks-per-node'] == header['--gpus-per-node']
-  assert '--exclusive' in header
+  assert '--exclusive' in header and header['--mem'] == '0'
 
 
 @pytest.mark.parametrize('config', CONFIGS)
@@ -369,11 +398,14 @@ def test_slurm_in_job_checks_the_node_count(stub_bin, config):
 def test_slurm_redis_rewards(dry, stub_bin):
   url = 'redis://redis-host:6379/0'
   r = dry(SLURM, 'configs/cosmos2b.py', '--rewards=redis', f'--redis-url={url}', '--reward-workers=4')
-  sruns = r.find('srun')
+  sruns = srun_steps(r)
   serve = [c for c in sruns if 'ddrl_jax.rewards.serve' in c]
   train = [c for c in sruns if 'ddrl_jax.train' in c]
   assert len(serve) == 1 and len(train) == 1, r.lines
   assert int(opt(serve[0], '--ntasks-per-node')) == 1 and '--overlap' in serve[0]
+  # The reward servers take no GPU (--gres=none, checked by srun_steps) and remove no memory from the
+  # training step (--mem=0), so neither step waits for the other on any Slurm version.
+  assert opt(serve[0], '--mem') == '0' and '--gpus-per-node' not in ' '.join(serve[0])
   assert int(opt(serve[0], '--nodes')) == int(opt(train[0], '--nodes'))
   assert opt(serve[0], '--redis') == url and opt(serve[0], '--workers') == '4'
   assert 'CUDA_VISIBLE_DEVICES=' in serve[0] and 'JAX_PLATFORMS=cpu' in serve[0]
@@ -425,8 +457,8 @@ def test_train_commands_parse_with_the_train_flags(dry):
     commands.append(train_argv(remote_words(opt(dry(XPK, config, '--build').one('xpk'), '--command'))))
     commands.append(train_argv(dry(SLURM, config).one('srun')))
   redis = dry(SLURM, 'configs/cosmos2b.py', '--rewards=redis', f'--redis-url={url}', '--reward-workers=4')
-  commands.append(train_argv([c for c in redis.find('srun') if 'ddrl_jax.train' in c][0]))
-  serve = [c for c in redis.find('srun') if 'ddrl_jax.rewards.serve' in c][0]
+  commands.append(train_argv(train_step(redis)))
+  serve = [c for c in srun_steps(redis) if 'ddrl_jax.rewards.serve' in c][0]
   serve_argv = serve[serve.index('ddrl_jax.rewards.serve') + 1:]
 
   procs = [_python(_PARSE_TRAIN, argv) for argv in commands] + [_python(_PARSE_SERVE, serve_argv)]
@@ -551,3 +583,284 @@ def test_readme_table_commands_dry_run(stub_bin):
     else:
       assert int(opt(split_sbatch(r.one('sbatch'))[0], '--nodes')) * 8 == n
   assert kinds.count('sbatch') == 1, kinds
+
+
+# ------------------------------------------------ SLURM: memory, CPUs, Redis, container mode (pyxis)
+def test_slurm_in_job_cpus_and_started_redis(stub_bin):
+  """In a job: --cpus-per-task is the node's CPUs / GPUs per node (srun >= 22.05 does not inherit it);
+  --start-redis runs redis-server as a GPU-free step on the batch script's node, and the servers and
+  the trainer use that node's address."""
+  env = dict(SLURM_JOB_ID='7', SLURM_JOB_NUM_NODES='32', SLURM_SUBMIT_DIR=REPO,
+             SLURM_JOB_CPUS_PER_NODE='224(x32)', SLURMD_NODENAME='gpu-a001')
+  r = run_script(stub_bin, SLURM, '--dry-run', *BASE_ARGS[SLURM], '--rewards=redis', '--start-redis',
+                 env=env)
+  assert r.rc == 0, r.err
+  steps = srun_steps(r)
+  redis = [c for c in steps if 'redis-server' in c]
+  assert len(redis) == 1 and opt(redis[0], '--nodelist') == 'gpu-a001' and opt(redis[0], '--ntasks') == '1'
+  url = opt([c for c in steps if 'ddrl_jax.rewards.serve' in c][0], '--redis')
+  assert re.fullmatch(r'redis://[^<>]+:6379/0', url), url
+  train = train_step(r)
+  assert opt(train, '--cpus-per-task') == '28'
+  assert opt(train_argv(train), '--config.reward.redis_url') == url
+  for c in steps:
+    assert opt(c, '--mem') == '0' and '--overlap' in c, c
+  # An explicit --cpus-per-task wins, and the submission hands it to the job.
+  r = run_script(stub_bin, SLURM, '--dry-run', *BASE_ARGS[SLURM], '--cpus-per-task=12', env=env)
+  assert opt(train_step(r), '--cpus-per-task') == '12'
+  sub = run_script(stub_bin, SLURM, '--dry-run', *BASE_ARGS[SLURM], '--cpus-per-task=12')
+  assert opt(split_sbatch(sub.one('sbatch'))[1], '--cpus-per-task') == '12'
+
+
+@pytest.fixture
+def bare_host(tmp_path, stub_bin):
+  """A directory holding nothing but a copy of slurm.sbatch, and a PYTHON that records any call and
+  fails: what a login node of a container-only cluster has."""
+  (tmp_path / 'slurm.sbatch').write_text(open(os.path.join(REPO, SLURM)).read())
+  python = tmp_path / 'python_stub'
+  python.write_text(f'#!/bin/sh\necho "python $*" >> "{stub_bin}/calls.log"\nexit 97\n')
+  python.chmod(0o755)
+
+  def run(*args, env=None):
+    proc = subprocess.run(['bash', str(tmp_path / 'slurm.sbatch'), *args], cwd=tmp_path,
+                          env=_env(stub_bin, dict(PYTHON=str(python), **(env or {}))),
+                          capture_output=True, text=True, timeout=60, check=False)
+    result = Result(args, proc, stub_bin)
+    assert not result.calls, result.calls          # no python, srun, sbatch, redis ... ran
+    return result
+  return run
+
+
+IMAGE_NAMES = [
+    ('nvcr.io#nvidia/jax:25.04', 'nvcr.io#nvidia/jax:25.04'),                 # pyxis already
+    ('us-docker.pkg.dev/proj/repo/ddrl-jax:gpu', 'us-docker.pkg.dev#proj/repo/ddrl-jax:gpu'),
+    ('gcr.io/proj/ddrl:gpu', 'gcr.io#proj/ddrl:gpu'),
+    ('localhost:5000/ddrl:gpu', 'localhost:5000#ddrl:gpu'),
+    ('someone/ddrl:gpu', 'someone/ddrl:gpu'),                                  # Docker Hub
+    ('/shared/images/ddrl.sqsh', '/shared/images/ddrl.sqsh'),                  # an enroot squashfs
+]
+
+
+@pytest.mark.parametrize('given,pyxis', IMAGE_NAMES)
+def test_slurm_container_mode_submits_from_a_bare_host(bare_host, given, pyxis):
+  """Container mode needs nothing on the host but bash and Slurm: no repository, no Python. The node
+  count comes from --nodes, the image name is put in pyxis' REGISTRY#IMAGE form, every step runs in
+  the image with the workdir mounted, and the job's first step checks the mesh inside the image."""
+  r = bare_host('--dry-run', '--config=configs/cosmos2b.py', '--workdir=/shared/run', '--nodes=32',
+                f'--container-image={given}', '--container-mounts=/data:/data', '--rewards=redis',
+                '--redis-url=redis://r:6379/0')
+  assert r.rc == 0, r.err
+  sbatch, script_args = split_sbatch(r.one('sbatch'))
+  assert int(opt(sbatch, '--nodes')) == 32 and opt(sbatch, '--mem') == '0'
+  assert opt(sbatch, '--output').startswith('/shared/run/')           # no repository on the host
+  assert opt(script_args, '--container-image') == pyxis
+  assert r.find('mkdir', '-p', '/shared/run')
+  steps = srun_steps(r)
+  assert len(steps) == 3, r.lines                   # the mesh check, the reward servers, the training
+  for c in steps:
+    assert opt(c, '--container-image') == pyxis
+    assert opt(c, '--container-mounts') == '/shared/run:/shared/run,/data:/data'
+    assert opt(c, '--container-workdir') == '/app'
+  check = steps[0]
+  at = check.index('launch/render.py')
+  assert check[at - 1] == '/opt/venv/bin/python' and opt(check[at:], '--nodes') == '32'
+  assert opt(check[at:], '--require') == 'gpu'
+  assert train_step(r)[train_step(r).index('-m') - 1] == '/opt/venv/bin/python'
+
+
+def test_slurm_container_mode_needs_nodes_without_ddrl_jax(bare_host):
+  r = bare_host('--dry-run', '--workdir=/shared/run', '--container-image=nvcr.io#nvidia/x:1')
+  assert r.rc == 2 and '--nodes=N' in r.err and not r.commands, r.err
+
+
+@pytest.mark.parametrize('nodes', [32, 16])
+def test_slurm_container_mode_checks_the_mesh_in_the_job(bare_host, nodes):
+  """The job's mesh check, run here as the image would run it (render.py of this repository): it
+  passes for the 32 nodes cosmos2b's mesh needs and stops a 16-node job naming the mismatch."""
+  env = dict(SLURM_JOB_ID='9', SLURM_JOB_NUM_NODES=str(nodes), SLURM_JOB_CPUS_PER_NODE='96(x2)')
+  r = bare_host('--dry-run', '--workdir=/shared/run', '--container-image=nvcr.io#nvidia/x:1', env=env)
+  assert r.rc == 0 and not r.find('sbatch'), r.err
+  check = srun_steps(r)[0]
+  argv = check[check.index('launch/render.py'):]
+  assert opt(argv, '--nodes') == str(nodes)
+  proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'),
+                        capture_output=True, text=True, timeout=120, check=False)
+  if nodes == 32:
+    assert proc.returncode == 0 and proc.stdout.strip() == '32', proc.stderr
+  else:
+    assert proc.returncode == 2 and 'needs 256' in proc.stderr, proc.stderr
+  assert opt(train_step(r), '--cpus-per-task') == '12'
+
+
+def test_slurm_container_mounts_need_an_image(stub_bin):
+  r = run_script(stub_bin, SLURM, '--dry-run', *BASE_ARGS[SLURM], '--container-mounts=/a:/a')
+  assert r.rc == 2 and '--container-image' in r.err and not r.commands
+
+
+# ---------------------------------------------- TPU: capacity, failing hosts, host setup, registry
+@pytest.mark.parametrize('capacity,flag,alpha', [('reserved', '--reserved', False), ('spot', '--spot', False),
+                                                 ('best-effort', '--best-effort', True)])
+def test_gcloud_capacity(dry, capacity, flag, alpha):
+  """Reserved, spot and best-effort capacity go to `queued-resources create` (--best-effort is only in
+  gcloud alpha); they imply --queued, and --valid-until-duration bounds the wait."""
+  r = dry(GCLOUD, 'configs/cosmos2b.py', f'--capacity={capacity}', '--valid-until-duration=6h')
+  prefix = ('gcloud', 'alpha') if alpha else ('gcloud',)
+  create = r.one(*prefix, 'compute', 'tpus', 'queued-resources', 'create')
+  assert flag in create and opt(create, '--valid-until-duration') == '6h'
+  assert sum(f in create for f in ('--reserved', '--spot', '--best-effort')) == 1
+  assert not r.find('gcloud', 'compute', 'tpus', 'tpu-vm', 'create')
+  plain = dry(GCLOUD, 'configs/cosmos2b.py', '--queued').one('gcloud', 'compute', 'tpus', 'queued-resources',
+                                                            'create')
+  assert not {'--reserved', '--spot', '--best-effort'} & set(plain)
+
+
+def test_gcloud_capacity_bad_input(stub_bin):
+  for args, message in ((('--capacity=cheap',), '--capacity must be'),
+                        (('--capacity=spot', '--skip-create'), 'drop --skip-create')):
+    r = run_script(stub_bin, GCLOUD, '--dry-run', *BASE_ARGS[GCLOUD], *args)
+    assert r.rc == 2 and message in r.err and not r.commands, (args, r.err)
+
+
+def test_gcloud_names_the_hosts_whose_install_failed(tmp_path):
+  """A real (not dry) run against a gcloud that succeeds everywhere except the install on workers 3
+  and 5: the script names exactly those workers, exits non-zero and never starts training."""
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  calls = tmp_path / 'calls.log'
+  (bin_dir / 'gcloud').write_text(f'''#!/bin/bash
+echo "gcloud $*" >> "{calls}"
+case "$*" in
+  *"queued-resources describe"*) echo ACTIVE ;;
+  *"--worker=3 --command"*host_setup*|*"--worker=5 --command"*host_setup*) echo "E: host broke" >&2; exit 1 ;;
+esac
+exit 0
+''')
+  (bin_dir / 'gcloud').chmod(0o755)
+  env = _env(bin_dir, dict(TMPDIR=str(tmp_path)))
+  proc = subprocess.run(['bash', GCLOUD, '--config=configs/cosmos2b.py', *BASE_ARGS[GCLOUD], '--queued',
+                         '--repo=https://example.com/ddrl_jax.git', '--poll-seconds=0', '--ssh-parallel=16'],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+  log = calls.read_text()
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert 'install failed on 2 of 64 hosts' in proc.stderr and 'workers 3 5' in proc.stderr, proc.stderr[-3000:]
+  assert 'E: host broke' in proc.stderr                               # the failing host's log tail
+  installs = [l for l in log.splitlines() if 'host_setup.sh' in l]
+  assert len(installs) == 64 and '--worker=all' not in log           # no training was started
+
+
+@pytest.fixture
+def fake_host(tmp_path):
+  """A PATH for host_setup.sh: sudo runs its command; apt-get fails its first 2 calls (the dpkg lock
+  of unattended-upgrades) and logs the rest; add-apt-repository logs; python3.11 is a Python that
+  reports the version in $FAKE_PY_VERSION, and its venv's python logs pip installs."""
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  log = tmp_path / 'calls.log'
+  scripts = {
+      'sudo': '#!/bin/bash\n"$@"\n',
+      'apt-get': f'''#!/bin/bash
+n=$(cat "{tmp_path}/apt_count" 2>/dev/null || echo 0); echo $((n + 1)) > "{tmp_path}/apt_count"
+if ((n < 2)); then echo "E: Could not get lock /var/lib/dpkg/lock-frontend" >&2; exit 100; fi
+echo "apt-get $*" >> "{log}"
+''',
+      'add-apt-repository': f'#!/bin/bash\necho "add-apt-repository $*" >> "{log}"\n',
+      'python3.11': f'''#!/bin/bash
+if [[ $1 == -m && $2 == venv ]]; then
+  mkdir -p "$3/bin"
+  printf '#!/bin/bash\\nif [[ $1 == -c ]]; then {sys.executable} -c "$2"; else echo "venv-python $*" >> "{log}"; fi\\n' > "$3/bin/python"
+  chmod +x "$3/bin/python"; exit 0
+fi
+if [[ $1 == - ]]; then
+  exec {sys.executable} -c "import sys; exec(sys.stdin.read().replace('sys.version_info[:3]', 'tuple(map(int, \\"$FAKE_PY_VERSION\\".split(\\".\\")))'))" "${{@:2}}"
+fi
+exec {sys.executable} "$@"
+''',
+  }
+  for name, text in scripts.items():
+    (bin_dir / name).write_text(text)
+    (bin_dir / name).chmod(0o755)
+
+  def run(version):
+    env = dict(os.environ, PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', HOME=str(tmp_path),
+               FAKE_PY_VERSION=version, DDRL_SETUP_RETRY_SLEEP='0')
+    proc = subprocess.run(['bash', HOST_SETUP, '--python=python3.11'], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    return proc, (log.read_text() if log.exists() else '')
+  return run
+
+
+def test_host_setup_waits_for_the_lock_and_retries(fake_host):
+  proc, log = fake_host('3.11.14')
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stderr.count('try 1 of 4 failed') == 1 and 'try 2 of 4 failed' in proc.stderr
+  apt = [l for l in log.splitlines() if l.startswith('apt-get')]
+  assert apt and all('DPkg::Lock::Timeout=' in l for l in apt)
+  assert 'add-apt-repository -y --no-update ppa:deadsnakes/ppa' in log
+  assert any('install' in l and 'python3.11 python3.11-venv' in l for l in apt)
+  assert "venv-python -m pip install -q -e .[tpu,video]" in log
+
+
+def test_host_setup_refuses_an_early_python(fake_host):
+  proc, log = fake_host('3.11.0')
+  assert proc.returncode != 0 and 'too old' in proc.stderr, proc.stderr
+  assert 'pip install' not in log
+
+
+def test_xpk_artifact_registry_push(dry):
+  image = 'us-central1-docker.pkg.dev/proj/repo/ddrl-jax:tpu'
+  r = dry(XPK, 'configs/cosmos2b.py', '--build', f'--docker-image={image}')
+  order = [c[:3] for c in r.commands if c[0] in ('docker', 'gcloud', 'xpk')]
+  assert order == [['docker', 'build', '-f'], ['gcloud', 'auth', 'configure-docker'], ['docker', 'push', image],
+                   ['xpk', 'workload', 'create']], order
+  assert r.one('gcloud', 'auth', 'configure-docker')[3] == 'us-central1-docker.pkg.dev'
+  assert 'warning' not in r.err
+  old = dry(XPK, 'configs/cosmos2b.py')                 # BASE_ARGS' gcr.io image: warned, still run
+  assert 'Container Registry' in old.err and old.find('xpk', 'workload', 'create')
+
+
+def test_dockerignore_keeps_the_shipped_checkpoints():
+  """.dockerignore drops history, caches and run outputs from the build context but keeps what the
+  images COPY, including the shipped OCR base checkpoints the OCR configs start from."""
+  lines = [l.strip() for l in open(os.path.join(REPO, '.dockerignore')) if l.strip() and not l.startswith('#')]
+  assert '.git' in lines and 'checkpoints/*' in lines and '!checkpoints/ocr_tiny_base' in lines
+  for name in ('Dockerfile.tpu', 'Dockerfile.gpu'):
+    text = open(os.path.join(LAUNCH, 'docker', name)).read()
+    assert 'libgl1' in text and 'libglib2.0-0' in text, name         # opencv under RapidOCR
+    assert 'COPY checkpoints ./checkpoints' in text, name
+  assert 'redis-server' in open(os.path.join(LAUNCH, 'docker', 'Dockerfile.gpu')).read()
+
+
+PLACEHOLDERS = {'ZONE': 'us-east5-a', 'BUCKET': 'bucket', 'CLUSTER': 'c1', 'REGION': 'us-central1',
+                'PROJECT': 'proj', 'REPOSITORY': 'repo'}
+
+
+def _documented_commands():
+  """Every launch command written out in README.md and launch/README.md (code blocks and inline code),
+  with the placeholders filled in; the `...` sketches are left out."""
+  found = []
+  for doc in ('README.md', 'launch/README.md'):
+    text = open(os.path.join(REPO, doc)).read()
+    for cmd in re.findall(r'^((?:bash|sbatch) launch/\S+.*)$', text, re.M) + \
+        re.findall(r'`((?:bash|sbatch) launch/[^`]+)`', text):
+      if '...' in cmd or 'docker build' in cmd:
+        continue
+      for k, v in PLACEHOLDERS.items():
+        cmd = re.sub(rf'\b{k}\b', v, cmd)
+      found.append((doc, cmd.strip()))
+  return sorted(set(found))
+
+
+def test_documented_commands_dry_run(stub_bin):
+  """Each launch command the READMEs write out runs as written (plus --dry-run): `bash ...` as the
+  submission, `sbatch ...` as the job sbatch starts with the script's #SBATCH nodes."""
+  commands = _documented_commands()
+  assert len(commands) >= 10 and any('--container-image' in c for _, c in commands), commands
+  header = slurm_header()
+  for doc, cmd in commands:
+    words = shlex.split(cmd)
+    env = None
+    if words[0] == 'sbatch':
+      env = dict(SLURM_JOB_ID='1', SLURM_JOB_NUM_NODES=header['--nodes'], SLURM_SUBMIT_DIR=REPO)
+    r = run_script(stub_bin, words[1], '--dry-run', *words[2:], env=env)
+    assert r.rc == 0, (doc, cmd, r.err)
+    assert any('ddrl_jax.train' in l for l in r.lines), (doc, cmd)

@@ -28,10 +28,17 @@ Options (--opt=value or --opt value):
                           local checkout (default: this one; its files minus .git, checkpoints/ and
                           workdir*/ are copied) or a git URL (cloned, or pulled on later runs)
   --queued                request a queued resource and wait until it is ACTIVE (default: tpu-vm create)
+  --capacity=KIND         on-demand (default), reserved (your reservation; --reserved), spot (--spot,
+                          preemptible) or best-effort (`gcloud alpha`'s --best-effort); all but
+                          on-demand imply --queued. Most projects have no on-demand v5p quota: a request
+                          on it can wait in the queue indefinitely
+  --valid-until-duration=D  give up a queued request not filled within D (e.g. 6h; gcloud's flag)
   --skip-create           use an existing slice NAME (its accelerator type is checked first)
   --skip-install          do not copy/install the repository (already done on the hosts)
-  --remote-python=PY      the hosts' Python for ~/ddrl_venv, an apt package (default: python3.11;
-                          jax 0.10.2 needs >= 3.11, the v2-alpha-tpuv5 image has 3.10)
+  --remote-python=PY      the hosts' Python for ~/ddrl_venv, from the deadsnakes PPA (default:
+                          python3.11; jax 0.10.2 needs >= 3.11, the v2-alpha-tpuv5 image has 3.10 and
+                          Ubuntu 22.04's own python3.11 is an early 3.11.0); see launch/tpu/host_setup.sh
+  --ssh-parallel=N        hosts installed at once (default: 32); the hosts that fail are named
   --libtpu-init-args=STR  replace the LIBTPU_INIT_ARGS preset
   --poll-seconds=N        queued-resource poll interval (default: 60)
   --dry-run               print every command (lines starting with '+ '), run nothing
@@ -43,6 +50,7 @@ EOF
 }
 
 die() { echo "gcloud_v5p.sh: error: $*" >&2; echo "(run with --help for usage)" >&2; exit 2; }
+fail() { echo "gcloud_v5p.sh: error: $*" >&2; exit 1; }
 q() {   # one word shell-quoted like Python's shlex.quote
   if [[ -n $1 && $1 =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then printf '%s' "$1"
   else printf "'%s'" "${1//\'/\'\"\'\"\'}"; fi
@@ -89,6 +97,7 @@ LIBTPU_PRESET="--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true \
 
 CONFIG=configs/cosmos2b.py NAME='' ZONE='' PROJECT='' ACCELERATOR='' RUNTIME=v2-alpha-tpuv5
 WORKDIR='' REPO=$REPO_ROOT QUEUED=0 SKIP_CREATE=0 SKIP_INSTALL=0 DRY_RUN=0 POLL=60 RPY=python3.11
+CAPACITY=on-demand VALID_UNTIL='' PARALLEL=32
 LIBTPU=$LIBTPU_PRESET
 EXTRA=()
 while (($#)); do
@@ -106,6 +115,9 @@ while (($#)); do
     --libtpu-init-args|--libtpu-init-args=*) take "$@"; LIBTPU=$VAL ;;
     --poll-seconds|--poll-seconds=*) take "$@"; POLL=$VAL ;;
     --remote-python|--remote-python=*) take "$@"; RPY=$VAL ;;
+    --capacity|--capacity=*) take "$@"; CAPACITY=$VAL ;;
+    --valid-until-duration|--valid-until-duration=*) take "$@"; VALID_UNTIL=$VAL ;;
+    --ssh-parallel|--ssh-parallel=*) take "$@"; PARALLEL=$VAL ;;
     --queued) QUEUED=1 ;;
     --skip-create) SKIP_CREATE=1 ;;
     --skip-install) SKIP_INSTALL=1 ;;
@@ -119,6 +131,20 @@ done
 [[ $WORKDIR == gs://?* ]] || die "--workdir must be a gs:// path every host can reach (got '${WORKDIR}')"
 [[ $POLL =~ ^[0-9]+$ ]] || die "--poll-seconds must be a number"
 [[ $RPY =~ ^python3\.[0-9]+$ ]] || die "--remote-python must be an apt package name like python3.11"
+[[ $PARALLEL =~ ^[1-9][0-9]*$ ]] || die "--ssh-parallel must be a positive number"
+QR=(gcloud compute tpus queued-resources create)     # the request, by capacity kind
+case $CAPACITY in
+  on-demand) QR_FLAGS=() ;;
+  reserved) QR_FLAGS=(--reserved) ;;
+  spot) QR_FLAGS=(--spot) ;;
+  best-effort) QR_FLAGS=(--best-effort); QR=(gcloud alpha compute tpus queued-resources create) ;;
+  *) die "--capacity must be on-demand, reserved, spot or best-effort (got '$CAPACITY')" ;;
+esac
+if [[ $CAPACITY != on-demand || -n $VALID_UNTIL ]]; then
+  ((SKIP_CREATE)) && die "--capacity / --valid-until-duration ask for a new slice; drop --skip-create"
+  QUEUED=1                                          # only queued resources take these
+fi
+[[ -z $VALID_UNTIL ]] || QR_FLAGS+=(--valid-until-duration="$VALID_UNTIL")
 WORKDIR=${WORKDIR%/}
 
 # Devices of the mesh -> slice (launch/render.py; exits 2 naming what does not fit).
@@ -144,16 +170,17 @@ if ((SKIP_CREATE)); then
     [[ ${have##*/} == "$ACCELERATOR" ]] || die "TPU $NAME is ${have##*/}, the mesh needs $ACCELERATOR"
   fi
 elif ((QUEUED)); then
-  run gcloud compute tpus queued-resources create "$NAME" --node-id "$NAME" \
-    --accelerator-type "$ACCELERATOR" --runtime-version "$RUNTIME" "${GC[@]}"
+  run "${QR[@]}" "$NAME" --node-id "$NAME" --accelerator-type "$ACCELERATOR" \
+    --runtime-version "$RUNTIME" "${GC[@]}" ${QR_FLAGS[@]+"${QR_FLAGS[@]}"}
   show gcloud compute tpus queued-resources describe "$NAME" "${GC[@]}" --format='value(state.state)'
   if ! ((DRY_RUN)); then
     while :; do
       state=$(gcloud compute tpus queued-resources describe "$NAME" "${GC[@]}" --format='value(state.state)')
-      echo "# queued resource $NAME ($ACCELERATOR): $state" >&2
+      echo "# queued resource $NAME ($ACCELERATOR, $CAPACITY): $state after $((SECONDS / 60)) min" >&2
       case $state in
         ACTIVE) break ;;
-        FAILED|SUSPENDED|SUSPENDING|DELETING) die "queued resource $NAME is $state" ;;
+        FAILED|SUSPENDED|SUSPENDING|DELETING)
+          die "queued resource $NAME is $state (gcloud compute tpus queued-resources describe $NAME --zone $ZONE says why)" ;;
       esac
       sleep "$POLL"
     done
@@ -163,21 +190,66 @@ else
     --version "$RUNTIME" "${GC[@]}"
 fi
 
-# 2. The code on every host (~/ddrl_jax), installed with the TPU and video extras.
+# 2. The code on every host (~/ddrl_jax), installed by launch/tpu/host_setup.sh (deadsnakes Python,
+# dpkg-lock waits, retries) with the TPU and video extras: each host on its own ssh, PARALLEL at once,
+# so that the hosts that fail are named. An ssh that cannot connect (exit 255) is retried.
+host_ssh() {   # host_ssh W COMMAND: gcloud ssh to worker W, retried when ssh itself fails
+  local try rc
+  for try in 1 2 3; do
+    rc=0
+    gcloud compute tpus tpu-vm ssh "$NAME" "${GC[@]}" --worker="$1" --command "$2" || rc=$?
+    ((rc == 255)) || return "$rc"
+    echo "# worker $1: ssh could not connect (try $try of 3)" >&2
+    sleep 10
+  done
+  return 255
+}
+install_on() {   # install_on W: the code and the install on worker W
+  if [[ -n $tarball ]]; then
+    gcloud compute tpus tpu-vm scp "$tarball" "$NAME:ddrl_jax_src.tgz" "${GC[@]}" --worker="$1" || return
+  fi
+  host_ssh "$1" "$HOST_CMD"
+}
 if ! ((SKIP_INSTALL)); then
+  SETUP="bash ~/ddrl_jax/launch/tpu/host_setup.sh --python=$RPY --extras=tpu,video"
+  tarball=''
   if [[ -d $REPO ]]; then
     tarball=${TMPDIR:-/tmp}/ddrl_jax_src.$$.tgz
     run tar -czf "$tarball" -C "$REPO" --exclude-vcs --exclude=./checkpoints --exclude='./workdir*' \
-      --exclude='*.egg-info' --exclude=__pycache__ --exclude=.pytest_cache .
-    run gcloud compute tpus tpu-vm scp "$tarball" "$NAME:ddrl_jax_src.tgz" "${GC[@]}" --worker=all
-    ssh_all "rm -rf ~/ddrl_jax && mkdir -p ~/ddrl_jax && tar -xzf ~/ddrl_jax_src.tgz -C ~/ddrl_jax"
-    ((DRY_RUN)) || rm -f "$tarball"
+      --exclude='*.egg-info' --exclude=__pycache__ --exclude=.pytest_cache --exclude=./tests/.jax_cache .
+    HOST_CMD="rm -rf ~/ddrl_jax && mkdir -p ~/ddrl_jax && tar -xzf ~/ddrl_jax_src.tgz -C ~/ddrl_jax && $SETUP"
   else
-    ssh_all "if [ -d ~/ddrl_jax/.git ]; then git -C ~/ddrl_jax pull --ff-only; else git clone $(q "$REPO") ~/ddrl_jax; fi"
+    HOST_CMD="if [ -d ~/ddrl_jax/.git ]; then git -C ~/ddrl_jax pull --ff-only; else git clone $(q "$REPO") ~/ddrl_jax; fi && $SETUP"
   fi
-  # jax 0.10.2 needs Python >= 3.11; the v2-alpha-tpuv5 image (Ubuntu 22.04) has 3.10, so a virtualenv
-  # of Ubuntu's python3.11 package (--remote-python) holds the install.
-  ssh_all "sudo apt-get update -qq && sudo apt-get install -y -qq $RPY $RPY-venv && $RPY -m venv ~/ddrl_venv && cd ~/ddrl_jax && ~/ddrl_venv/bin/python -m pip install -U pip && ~/ddrl_venv/bin/python -m pip install -e '.[tpu,video]'"
+  # One ssh first: it makes and propagates the ssh key once, not from PARALLEL processes at once.
+  show gcloud compute tpus tpu-vm ssh "$NAME" "${GC[@]}" --worker=0 --command true
+  ((DRY_RUN)) || host_ssh 0 true || fail "cannot ssh to worker 0 of $NAME"
+  if ((DRY_RUN)); then LOGS='<a new temporary directory>'; else LOGS=$(mktemp -d "${TMPDIR:-/tmp}/ddrl_install.XXXXXX"); fi
+  echo "# installing on $R_TPU_HOSTS hosts, $PARALLEL at once; logs: $LOGS/worker-W.log" >&2
+  running=0
+  for ((w = 0; w < R_TPU_HOSTS; w++)); do
+    [[ -z $tarball ]] || show gcloud compute tpus tpu-vm scp "$tarball" "$NAME:ddrl_jax_src.tgz" "${GC[@]}" --worker="$w"
+    show gcloud compute tpus tpu-vm ssh "$NAME" "${GC[@]}" --worker="$w" --command "$HOST_CMD"
+    ((DRY_RUN)) && continue
+    (rc=0; install_on "$w" || rc=$?; echo "$rc" > "$LOGS/worker-$w.rc") > "$LOGS/worker-$w.log" 2>&1 &
+    if ((++running >= PARALLEL)); then wait -n || true; ((running--)) || true; fi
+  done
+  if ! ((DRY_RUN)); then
+    wait
+    rm -f "$tarball"
+    failed=()
+    for ((w = 0; w < R_TPU_HOSTS; w++)); do
+      [[ $(cat "$LOGS/worker-$w.rc" 2>/dev/null) == 0 ]] || failed+=("$w")
+    done
+    if ((${#failed[@]})); then
+      for w in "${failed[@]}"; do
+        echo "--- worker $w (exit $(cat "$LOGS/worker-$w.rc" 2>/dev/null || echo '?')): $LOGS/worker-$w.log" >&2
+        tail -n 5 "$LOGS/worker-$w.log" >&2 || true
+      done
+      fail "the install failed on ${#failed[@]} of $R_TPU_HOSTS hosts of $NAME: workers ${failed[*]} (logs above and in $LOGS). Fix or recreate them, then rerun with --skip-create"
+    fi
+    echo "# installed on all $R_TPU_HOSTS hosts" >&2
+  fi
 fi
 
 # 3. Training: the same command on every host, at once.

@@ -21,8 +21,12 @@ Options (--opt=value or --opt value):
   --cluster=NAME          xpk (GKE) cluster with v5p capacity (required)
   --workload=NAME         workload name, [a-z]([-a-z0-9]*[a-z0-9])?, at most 40 characters
                           (default: ddrl-<config name>-<date>)
-  --docker-image=IMAGE    image with this repository installed, e.g. gcr.io/PROJECT/ddrl-jax:tpu (required)
-  --build                 first `docker build -f launch/docker/Dockerfile.tpu -t IMAGE .` and `docker push`
+  --docker-image=IMAGE    image with this repository installed, in Artifact Registry:
+                          REGION-docker.pkg.dev/PROJECT/REPOSITORY/ddrl-jax:tpu (required; Container
+                          Registry's gcr.io stopped taking pushes in March 2025 unless the project's
+                          gcr.io is served by Artifact Registry)
+  --build                 first `docker build -f launch/docker/Dockerfile.tpu -t IMAGE .`, then
+                          `gcloud auth configure-docker REGISTRY` (Google registries) and `docker push`
   --project=PROJECT       GCP project (default: gcloud's)
   --zone=ZONE             the cluster's zone (default: gcloud's)
   --device-type=TYPE      slice type (default: from the mesh: 256 chips -> v5p-512, 1024 -> v5p-2048);
@@ -124,8 +128,19 @@ WORKLOAD=${WORKLOAD:-ddrl-$R_NAME-$(date +%m%d-%H%M)}
   || die "--workload '$WORKLOAD': [a-z]([-a-z0-9]*[a-z0-9])?, at most 40 characters (xpk's rule)"
 echo "# $R_CONFIG: mesh $R_MESH_DESC = $R_DEVICES devices -> $DEVICE_TYPE ($R_CHIPS chips, $R_TPU_HOSTS hosts)" >&2
 
+REGISTRY=${IMAGE%%/*}
+[[ $IMAGE == */* && ( $REGISTRY == *.* || $REGISTRY == *:* || $REGISTRY == localhost ) ]] || REGISTRY=''
+case $REGISTRY in
+  gcr.io|*.gcr.io)
+    echo "# warning: $REGISTRY is Container Registry, which stopped taking pushes in March 2025; unless" \
+         "this project's gcr.io is served by Artifact Registry, use REGION-docker.pkg.dev/PROJECT/REPOSITORY/IMAGE" >&2 ;;
+esac
 if ((BUILD)); then
   run docker build -f "$REPO_ROOT/launch/docker/Dockerfile.tpu" -t "$IMAGE" "$REPO_ROOT"
+  # docker's credential helper for Google's registries (one-time per machine; --quiet: no prompt).
+  case $REGISTRY in
+    *-docker.pkg.dev|*.pkg.dev|gcr.io|*.gcr.io) run gcloud auth configure-docker "$REGISTRY" --quiet ;;
+  esac
   run docker push "$IMAGE"
 fi
 
