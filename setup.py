@@ -55,11 +55,13 @@ setup(
         # gcsfs / google-cloud-storage: gs:// workdirs (orbax via etils.epath, metrics, TensorBoard).
         'tpu': ['jax[tpu]==0.10.2', 'gcsfs', 'google-cloud-storage'],
         'cuda': ['jax[cuda12]==0.10.2'],
-        # PyTorch references for parity tests (diffusers' Cosmos/Wan modules, BERT); pytest-timeout makes
+        # PyTorch references for parity tests (diffusers' Cosmos/Wan modules, BERT; peft loads the exported
+        # LoRA adapters into diffusers' model); pytest-timeout makes
         # a hang fail its test (tests/conftest.py) instead of stalling CI; pytest-xdist runs test files
         # in parallel processes (the README's `-n auto --dist loadfile` keeps each file on one worker, so
         # its module fixtures are not rebuilt per worker).
-        'test': ['pytest', 'pytest-timeout', 'pytest-xdist', 'portpicker', 'diffusers==0.39.0']
+        'test': ['pytest', 'pytest-timeout', 'pytest-xdist', 'portpicker', 'diffusers==0.39.0',
+                 'peft==0.21.2']
                 + TEXT + VIDEO + CONVERT,
     },
 )

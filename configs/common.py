@@ -56,6 +56,16 @@ def base_config():
       warmup_steps=50, warmup_init_factor=1e-6, grad_clip=1.0,
       ema_power_s=0.1))         # power EMA as cosmos-rl; None disables
 
+  # Low-rank adapters (ddrl_jax/models/lora.py). rank 0 = full fine-tuning. With rank r > 0 only the
+  # adapters train (optimizer moments, EMA and DiffusionNFT's old policy are adapter-sized) and the base
+  # stays frozen; FlowGRPO's KL reference is the base itself. targets: regexes matched in full against
+  # dense-layer paths; the default is the attention projections of the Cosmos DiT's blocks (self and
+  # cross), i.e. diffusers' transformer_blocks.*.attn1/attn2.to_q/to_k/to_v/to_out.0.
+  c.lora = ml_collections.ConfigDict(dict(
+      rank=0, alpha=0.0,        # forward scale alpha / rank; alpha 0 means alpha = rank
+      targets=(r'(.*\.)?blocks\.(self_attn|cross_attn)\.(q_proj|k_proj|v_proj|output_proj)',),
+      init='kaiming'))          # 'kaiming' (peft's default) or 'gaussian' (N(0, 1/r^2), flow_grpo's)
+
   # Paired data from record shards (ddrl_jax.data: prepare / synthesize write them). '' = the task's
   # built-in data. Each record gives one condition group: its prompt/text and its clean sample.
   c.data = ml_collections.ConfigDict(dict(

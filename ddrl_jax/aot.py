@@ -40,6 +40,7 @@ from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import xla_flags
 from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import cosmos_dit
+from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.rl import algorithms
 from ddrl_jax.parallel import topology as topology_lib
 
@@ -71,8 +72,8 @@ def abstract_inputs(config, plan, task, fns, state_shardings, abstract_state):
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=rep)
   slot_cond = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=batch),
                            task.abstract_conditions(slots))
-  params = _with_sharding(abstract_state.params, state_shardings.params)
   state = _with_sharding(abstract_state, state_shardings)
+  params = trainer_lib.model_params(state)      # the adapters with the frozen base under LoRA
   traj = jax.eval_shape(fns.rollout, params, slot_cond, key)
   num_rewards = len(config.reward.fns)
   rollout = trainer_lib.RolloutBatch(
@@ -150,10 +151,12 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
   task = tasks.get_task(config)
   optimizer = optim.make_optimizer(config.optim)
   apply_fn, abstract_params = task.abstract_params(jax.random.key(0))
+  trained, frozen = lora_lib.split(abstract_params, lora_lib.from_config(config))
   abstract_state = jax.eval_shape(
-      lambda p: trainer_lib.init_train_state(p, config, optimizer), abstract_params)
+      lambda p, f: trainer_lib.init_train_state(p, config, optimizer, f), trained, frozen)
   state_sh = plan.state(abstract_state, optimizer)
-  params_report = plan.check_params(abstract_state.params, state_sh.params)
+  params_report = plan.check_params(lora_lib.combine(abstract_state.params, abstract_state.frozen),
+                                    lora_lib.combine(state_sh.params, state_sh.frozen))
   step_fns = trainer_lib.build_step_fns(config, plan, state_sh, apply_fn, trainer_lib.make_sampler(config),
                                         task.sample_shape, optimizer, getattr(task, 'cast_params', None))
   args = abstract_inputs(config, plan, task, step_fns, state_sh, abstract_state)

@@ -32,6 +32,7 @@ SAFE_TO_CHANGE = (
 ADDED_KEY_DEFAULTS = {
     'rl.adv_normalization': 'cosmos', 'rl.adv_global_std': True, 'rl.failed_advantage': 'zero',
     'rl.drop_zero_advantages': False, 'rl.kl_form': 'exact', 'rl.nft_beta': 1.0, 'rl.nft_old_decay': 1,
+    'lora.rank': 0,
 }
 
 
@@ -131,6 +132,8 @@ def config_differences(saved, current):
       a.setdefault(key, value)
   diffs = [(k, a.get(k, '<absent>'), b.get(k, '<absent>')) for k in sorted(set(a) | set(b))
            if a.get(k, '<absent>') != b.get(k, '<absent>')]
+  if a.get('lora.rank', 0) == 0 and b.get('lora.rank', 0) == 0:   # no adapters: their settings are moot
+    diffs = [d for d in diffs if not d[0].startswith('lora.')]
   return [d for d in diffs if _safe(d[0])], [d for d in diffs if not _safe(d[0])]
 
 

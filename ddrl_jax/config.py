@@ -1,6 +1,7 @@
 """Config validation: runs before anything compiles and names the offending key."""
 from ddrl_jax import rewards
 from ddrl_jax import sampling
+from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.parallel import mesh as mesh_lib
 from ddrl_jax.parallel import plan as plan_lib
 from ddrl_jax.parallel import rules as rules_lib
@@ -122,6 +123,11 @@ def validate(config, num_devices):
   if rl.adv_transform == 'exact':
     _check(len(r.fns) == 1 or r.combine == 'weighted_sum', 'reward.combine', r.combine,
            "the exact tilt transform needs one reward or combine='weighted_sum'")
+  if 'lora' in config:
+    try:
+      lora_lib.validate(lora_lib.from_config(config))
+    except ValueError as e:
+      raise ConfigError(str(e), str(e).split('=')[0].split(' ')[0].replace('config.', '')) from None
   try:
     shape = mesh_lib.mesh_shape(config.mesh, num_devices)
   except ValueError as e:

@@ -52,6 +52,7 @@ from ddrl_jax import image_grid
 from ddrl_jax import params_io
 from ddrl_jax import tasks
 from ddrl_jax import trainer as trainer_lib
+from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.rewards import ocr as ocr_reward
 from ddrl_jax.rl import diffusion_loss
 from ddrl_jax.tasks import ocr as ocr_task
@@ -88,7 +89,7 @@ def load_params(config, checkpoint, ema=False):
     params = trainer.state.ema_params if ema else trainer.state.params
     if params is None:
       raise ValueError(f'--ema: {checkpoint} holds no EMA parameters')
-    return task, trainer.apply_fn, params
+    return task, trainer.apply_fn, lora_lib.combine(params, trainer.state.frozen)
   apply_fn, template = task.abstract_params(key)
   template = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
   return task, apply_fn, params_io.load_params(checkpoint, template, '--checkpoint')

@@ -21,9 +21,11 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+from ddrl_jax import checkpoints as checkpoints_lib
 from ddrl_jax import config as config_lib
 from ddrl_jax import console
 from ddrl_jax import distributed
@@ -40,6 +42,7 @@ from ddrl_jax import storage
 from ddrl_jax import tasks
 from ddrl_jax.data import pipeline as data_pipeline
 from ddrl_jax.data import records as data_records
+from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.parallel import hosts
 from ddrl_jax.parallel import rules as rules_lib
 # The pure update lives in ddrl_jax/update.py; its names stay importable from here.
@@ -47,7 +50,7 @@ from ddrl_jax.update import (  # pylint: disable=unused-import
     TrainState, RolloutBatch, flat_rollout_batch, group_rollout_batch, DataBatch,
     compute_advantages, make_sampler, init_train_state, make_update_fns, combine_metrics,
     make_train_step, jit_train_step, make_sample_fn, StepFns, uses_data_grads, build_step_fns, place_data,
-    rollout_params)
+    rollout_params, model_params, model_param_shardings)
 
 logger = logging.getLogger(__name__)
 # tqdm's rate and ETA would count the first iteration (compile); the pace is in the postfix instead.
@@ -66,11 +69,14 @@ def _event_logger(path):
   return hook
 
 
-def _state_to_tree(state, rng, rng_value=None):
+def _state_to_tree(state, rng, rng_value=None, base_print=None):
   """The checkpointed dict of a TrainState (None fields left out) and the root key's data (or
-  `rng_value` in its place, e.g. its sharding)."""
-  tree = {k: v for k, v in state._asdict().items() if v is not None}
+  `rng_value` in its place, e.g. its sharding). LoRA's frozen base is not saved: `base_print` (its
+  `lora.fingerprint`, or that value's sharding/shape) identifies it instead."""
+  tree = {k: v for k, v in state._asdict().items() if v is not None and k != 'frozen'}
   tree['rng'] = jax.random.key_data(rng) if rng_value is None else rng_value
+  if base_print is not None:
+    tree['base_fingerprint'] = base_print
   return tree
 
 
@@ -118,6 +124,7 @@ class Trainer:
     self.state_shardings = None    # set by restore_or_init
     self.cast_params = None        # the task's compute-dtype copy of the parameters, if any
     self.task = tasks.get_task(config)
+    self.lora = lora_lib.from_config(config)
     self.sampler = make_sampler(config)
     self.optimizer = optim.make_optimizer(config.optim)
     self.rng = jax.random.key(config.seed)
@@ -179,36 +186,67 @@ class Trainer:
     """
     model_key = jax.random.fold_in(self.rng, 0x6D6F64)
     self.apply_fn, abstract_params = self.task.abstract_params(model_key)
-    abstract_state = self._plan_state(abstract_params)
+    abstract_trained, abstract_frozen = lora_lib.split(abstract_params, self.lora)
+    if self.lora.enabled and not jax.tree.leaves(abstract_trained):
+      raise config_lib.ConfigError(
+          f'config.lora.rank={self.lora.rank}: task {self.config.task!r} has no LoRA adapters (its model '
+          'is not built from ddrl_jax.models.layers.Dense); use rank 0', 'lora.rank')
+    abstract_state = self._plan_state(abstract_trained, abstract_frozen)
+    rep = self.plan.replicated()
+    lora_on = self.lora.enabled
     # Restore onto this run's mesh and rules, whatever topology wrote the checkpoint (e.g. 8 devices -> 1):
     # orbax reads each device's own slices.
-    shardings = _state_to_tree(self.state_shardings, None, self.plan.replicated())
+    shardings = _state_to_tree(self.state_shardings, None, rep, rep if lora_on else None)
+    print_shape = jax.ShapeDtypeStruct((2,), jnp.uint32) if lora_on else None
     target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                          _state_to_tree(abstract_state, self.rng), shardings)
+                          _state_to_tree(abstract_state, self.rng, None, print_shape), shardings)
     restored = self.checkpoints.restore_newest(target, read_only=read_only)
+    # Under LoRA the base is built (or loaded) again in either case; only the adapters are restored.
+    trained, frozen = lora_lib.split(
+        self._initial_params(model_key) if restored is None or lora_on else None, self.lora)
     if restored is None:
-      params = self._initial_params(model_key)
-      init = jax.jit(lambda p: init_train_state(p, self.config, self.optimizer),
-                     in_shardings=(self.state_shardings.params,), out_shardings=self.state_shardings)
-      self.state = init(params)      # fresh buffers: the donating update never frees the task's arrays
+      sh = self.state_shardings
+      init = jax.jit(lambda p, f: init_train_state(p, self.config, self.optimizer, f),
+                     in_shardings=(sh.params, sh.frozen), out_shardings=sh)
+      self.state = init(trained, frozen)  # fresh buffers: the donating update never frees the task's arrays
     else:
       self.rng = jax.random.wrap_key_data(restored.pop('rng'))
-      self.state = TrainState(**{f: restored.get(f) for f in TrainState._fields})
+      if lora_on:
+        self._check_base(restored.pop('base_fingerprint'), frozen)
+      self.state = TrainState(**{f: restored.get(f) for f in TrainState._fields if f != 'frozen'},
+                              frozen=frozen)
       logger.info('resuming %s from step %d', self.workdir, int(self.state.step))
     return int(self.state.step)
 
-  def _plan_state(self, abstract_params):
-    """Shardings of the train state by the logical rules, checked and logged (per-device bytes).
-    Returns the abstract train state."""
+  def _base_fingerprint(self, frozen):
+    return jax.jit(lora_lib.fingerprint, out_shardings=self.plan.replicated())(frozen)
+
+  def _check_base(self, saved, frozen):
+    """Refuses adapters trained on another base than the one this run built or loaded."""
+    now = np.asarray(self._base_fingerprint(frozen))
+    if not np.array_equal(np.asarray(saved), now):
+      raise checkpoints_lib.IncompatibleCheckpoint(
+          f'{self.workdir}: the LoRA adapters of this checkpoint were trained on another base model '
+          f'(content hash {np.asarray(saved).tolist()}, this run\'s base {now.tolist()}); start from the '
+          'base the run was trained from (the checkpoint\'s config names it) or a new workdir')
+
+  def _plan_state(self, abstract_params, abstract_frozen=None):
+    """Shardings of the train state by the logical rules, checked and logged (per-device bytes of the
+    trained parameters and, under LoRA, of the frozen base with them). Returns the abstract train state."""
     abstract_state = jax.eval_shape(
-        lambda p: init_train_state(p, self.config, self.optimizer), abstract_params)
-    self.state_shardings = self.plan.state(abstract_state, self.optimizer)
-    report = self.plan.check_params(abstract_state.params, self.state_shardings.params)
+        lambda p, f: init_train_state(p, self.config, self.optimizer, f), abstract_params, abstract_frozen)
+    sh = self.state_shardings = self.plan.state(abstract_state, self.optimizer)
+    report = self.plan.check_params(lora_lib.combine(abstract_state.params, abstract_state.frozen),
+                                    lora_lib.combine(sh.params, sh.frozen))
     opt = rules_lib.sharding_report(abstract_state.opt_state, self.state_shardings.opt_state)
-    logger.info('sharding: mesh %s; parameters %.3f GiB per device of %.3f GiB (%.2f%% replicated), '
+    trained = ''
+    if abstract_frozen is not None:
+      adapters = rules_lib.sharding_report(abstract_state.params, sh.params)
+      trained = (f' (LoRA adapters: {adapters["total_bytes"] / 2**20:.2f} MiB trained, the base frozen)')
+    logger.info('sharding: mesh %s; parameters %.3f GiB per device of %.3f GiB (%.2f%% replicated)%s, '
                 'optimizer state %.3f GiB per device', dict(self.mesh.shape),
                 report['per_device_bytes'] / 2**30, report['total_bytes'] / 2**30,
-                100 * report['replicated_fraction'], opt['per_device_bytes'] / 2**30)
+                100 * report['replicated_fraction'], trained, opt['per_device_bytes'] / 2**30)
     self.sharding_report = dict(params=report, opt_state=opt)
     self.cast_params = getattr(self.task, 'cast_params', None)
     return abstract_state
@@ -217,7 +255,7 @@ class Trainer:
     """Initial parameters placed shard by shard: the task's sharded init when it has one (the Cosmos
     DiT: jit with out_shardings, or converted weights from host memory), else its init_model's result
     placed with make_array_from_callback (small models, e.g. after toy2d's pretraining)."""
-    shardings = self.state_shardings.params
+    shardings = lora_lib.combine(self.state_shardings.params, self.state_shardings.frozen)
     if hasattr(self.task, 'init_params_sharded'):
       return self.task.init_params_sharded(key, shardings)
     _, params = self.task.init_model(key)
@@ -233,7 +271,8 @@ class Trainer:
     self.event('checkpoint_start', step=step)
     # The root key as a replicated global array: orbax cannot save one process's local array on a pod.
     rng = parallel.place(np.asarray(jax.random.key_data(self.rng)), self.plan.replicated())
-    self.checkpoints.save(step, _state_to_tree(self.state, self.rng, rng))
+    base = None if self.state.frozen is None else self._base_fingerprint(self.state.frozen)
+    self.checkpoints.save(step, _state_to_tree(self.state, self.rng, rng, base))
     self.event('checkpoint_done', step=step)
 
   # --------------------------------------------------------------------------------------- loop
@@ -350,7 +389,7 @@ class Trainer:
     t1 = time.perf_counter()
     key = self.iteration_keys(it)[3]
     grads, data_metrics = jax.block_until_ready(
-        self._data_grads(self.state.params, rollout, data, key))
+        self._data_grads(model_params(self.state), rollout, data, key))
     overlapped = not pending.done()
     self.event('data_grad_done', rewards_pending=overlapped)
     t2 = time.perf_counter()
@@ -425,7 +464,7 @@ class Trainer:
     for name, params in (('eval', self.state.params), ('eval_ema', self.state.ema_params)):
       if params is None:
         continue
-      samples = self._sample(params, cond, key)
+      samples = self._sample(model_params(self.state, params), cond, key)
       if gather_all:
         host = hosts.gather_global(samples).reshape((-1,) + self.task.sample_shape)
         metrics = self.task.evaluate(host, key, cond=host_cond)

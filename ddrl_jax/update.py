@@ -15,16 +15,21 @@ from ddrl_jax import optim
 from ddrl_jax import parallel
 from ddrl_jax import rl as rl_lib
 from ddrl_jax import sampling
+from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.rl import nft
 
 
 class TrainState(NamedTuple):
+  """The trained state. With LoRA (config.lora.rank > 0) `params` and every copy of it (optimizer
+  moments, EMA, DiffusionNFT's old policy) are the adapters alone and `frozen` is the base model; the
+  reference of a KL term is the base itself (adapters at zero), so no copy of it is kept."""
   step: Any            # () int32: optimizer steps taken
-  params: Any          # fp32 master parameters
+  params: Any          # fp32 master parameters (the trained ones: all, or the LoRA adapters)
   opt_state: Any
   ema_params: Any      # power EMA of params (None if disabled)
-  ref_params: Any      # frozen reference (flow_grpo / diffusion_nft with kl_beta > 0; None otherwise)
+  ref_params: Any      # frozen reference (flow_grpo / diffusion_nft with kl_beta > 0, full fine-tuning)
   old_params: Any = None  # diffusion_nft's old policy (samples the rollouts; EMA of params); else None
+  frozen: Any = None   # the base model under LoRA (never trained, not checkpointed); else None
 
 
 class RolloutBatch(NamedTuple):
@@ -92,19 +97,42 @@ def make_sampler(config):
                                eta=s.eta)
 
 
-def init_train_state(params, config, optimizer):
+def init_train_state(params, config, optimizer, frozen=None):
+  """The state at step 0 of the trained `params` (with LoRA: the adapters, `frozen` the base)."""
   algo = rl_lib.get_algorithm(config.algorithm)
   copy = lambda p: jax.tree.map(jnp.array, p)
+  full = frozen is None
   return TrainState(
       step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
       ema_params=copy(params) if config.optim.ema_power_s else None,
-      ref_params=copy(params) if algo.uses_reference and config.rl.kl_beta > 0 else None,
-      old_params=copy(params) if algo.objective == 'nft' else None)
+      ref_params=copy(params) if full and algo.uses_reference and config.rl.kl_beta > 0 else None,
+      old_params=copy(params) if algo.objective == 'nft' else None,
+      frozen=frozen)
+
+
+def model_params(state, params=None):
+  """What the step functions run the model with: `params` (default the trained ones), paired with the
+  frozen base under LoRA (`lora.Adapted`)."""
+  params = state.params if params is None else params
+  return params if state.frozen is None else lora_lib.Adapted(params, state.frozen)
+
+
+def model_param_shardings(state_shardings):
+  """The shardings of `model_params(state)`."""
+  return model_params(state_shardings)
 
 
 def rollout_params(state):
   """The parameters that sample the rollouts: diffusion_nft's old policy, else the trained ones."""
-  return state.params if state.old_params is None else state.old_params
+  return model_params(state, state.params if state.old_params is None else state.old_params)
+
+
+def _bound(apply_fn, cast_params, params):
+  """(apply_fn over the trained part, that part) of step-function params: under LoRA the frozen base
+  (cast to the compute dtype once) is bound into apply_fn and gradients are taken w.r.t. the adapters."""
+  if isinstance(params, lora_lib.Adapted):
+    return lora_lib.bind(apply_fn, cast_params(params.frozen)), params.trainable
+  return apply_fn, cast_params(params)
 
 
 def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
@@ -144,22 +172,26 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
     if not use_data:
       return None, {}
     traj, _, _, steps, k_loss = prepare(rollout, key)
-    value, grads = rl_lib.data_loss_and_grad(apply_fn, cast_params(params), sampler, traj, steps,
-                                             data_term(data), k_loss)
+    apply, trained = _bound(apply_fn, cast_params, params)
+    value, grads = rl_lib.data_loss_and_grad(apply, trained, sampler, traj, steps, data_term(data),
+                                             k_loss)
     scale = rl.loss_scale * rl.data_beta
     return jax.tree.map(lambda g: scale * g, grads), {'data_loss': value}
 
   def update(state, rollout, grads_data, key):
     traj, rewards, cond, steps, k_loss = prepare(rollout, key)
     advantages = compute_advantages(rewards, config)
+    apply, trained = _bound(apply_fn, cast_params, model_params(state))
     ref = None if state.ref_params is None else cast_params(state.ref_params)
+    if state.frozen is not None and algo.uses_reference and rl.kl_beta > 0:
+      ref = jax.tree.map(jnp.zeros_like, trained)    # the base: adapters contribute exactly 0
     if algo.objective == 'nft':
       _, metrics, grads = nft.nft_loss_and_grad(
-          apply_fn, cast_params(state.params), cast_params(state.old_params), ref, traj, advantages,
+          apply, trained, cast_params(state.old_params), ref, traj, advantages,
           steps, rollout.cond, k_loss, beta=rl.nft_beta, adv_clip_max=rl.adv_clip, kl_beta=rl.kl_beta,
           loss_scale=rl.loss_scale, valid=jnp.isfinite(rewards).all(-1))
     else:
-      _, metrics, grads = algo.loss_and_grad(apply_fn, cast_params(state.params), ref, sampler, traj,
+      _, metrics, grads = algo.loss_and_grad(apply, trained, ref, sampler, traj,
                                              advantages, steps, rollout.cond, None, k_loss, rl)
     if grads_data is not None:
       grads = jax.tree.map(jnp.add, grads, grads_data)
@@ -189,7 +221,7 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
         grad_norm=optax.tree.norm(grads), nonfinite_grads=nonfinite, params_finite=params_finite,
         learning_rate=lr_schedule(state.step), nfe_rollout=traj.nfe.mean())
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema,
-                           ref_params=state.ref_params, old_params=old)
+                           ref_params=state.ref_params, old_params=old, frozen=state.frozen)
     return new_state, metrics
 
   return data_grads, update
@@ -210,7 +242,7 @@ def make_train_step(apply_fn, sampler, config, optimizer, cast_params=None):
   data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer, cast_params)
 
   def train_step(state, rollout, data, key):
-    grads, data_metrics = data_grads(state.params, rollout, data, key)
+    grads, data_metrics = data_grads(model_params(state), rollout, data, key)
     state, metrics = update(state, rollout, grads, key)
     return state, combine_metrics(metrics, data_metrics, config)
 
@@ -233,7 +265,7 @@ def make_sample_fn(sampler, apply_fn, sample_shape, mesh, param_shardings=None, 
   plan = plan or parallel.ShardingPlan.from_config({}, mesh)
   cast_params = cast_params or (lambda p: p)
   params_sh = param_shardings if param_shardings is not None else plan.replicated()
-  fn = lambda p, cond, k: sampler.sample(apply_fn, cast_params(p), cond, k, num_rollouts=1,
+  fn = lambda p, cond, k: sampler.sample(*_bound(apply_fn, cast_params, p), cond, k, num_rollouts=1,
                                          sample_shape=sample_shape)
   return jax.jit(plan.scope(fn), in_shardings=(params_sh, plan.batch(), plan.replicated()),
                  out_shardings=plan.batch())
@@ -262,14 +294,15 @@ def build_step_fns(config, plan, state_shardings, apply_fn, sampler, sample_shap
   mesh."""
   sh, batch, rep = state_shardings, plan.batch(), plan.replicated()
   cast = cast_params or (lambda p: p)
-  rollout = lambda p, cond, k: sampler.rollout(apply_fn, cast(p), cond, k, num_rollouts=1,
+  rollout = lambda p, cond, k: sampler.rollout(*_bound(apply_fn, cast, p), cond, k, num_rollouts=1,
                                                sample_shape=sample_shape)
   data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer, cast)
   grads_sh = sh.params if uses_data_grads(config) else None
+  model_sh = model_param_shardings(sh)
   return StepFns(
-      rollout=jax.jit(plan.scope(rollout), in_shardings=(sh.params, batch, rep), out_shardings=batch),
-      sample=make_sample_fn(sampler, apply_fn, sample_shape, plan.mesh, sh.params, plan, cast),
-      data_grads=jax.jit(plan.scope(data_grads), in_shardings=(sh.params, batch, None, rep),
+      rollout=jax.jit(plan.scope(rollout), in_shardings=(model_sh, batch, rep), out_shardings=batch),
+      sample=make_sample_fn(sampler, apply_fn, sample_shape, plan.mesh, model_sh, plan, cast),
+      data_grads=jax.jit(plan.scope(data_grads), in_shardings=(model_sh, batch, None, rep),
                          out_shardings=(grads_sh, rep)),
       update=jax.jit(plan.scope(update), in_shardings=(sh, batch, grads_sh, rep),
                      out_shardings=(sh, rep), donate_argnums=(0,)))

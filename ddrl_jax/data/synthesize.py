@@ -26,6 +26,7 @@ from ddrl_jax import console
 from ddrl_jax import parallel
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.data import records as records_lib
+from ddrl_jax.models import lora as lora_lib
 
 logger = logging.getLogger('ddrl_jax.data.synthesize')   # not __name__: '__main__' under python -m
 
@@ -51,6 +52,7 @@ def synthesize(config, out, *, workdir=None, prompts=None, per_prompt=1, batch=6
   params = trainer.state.ema_params if ema else trainer.state.params
   if params is None:
     raise ValueError('--ema: the checkpoint holds no EMA parameters (config.optim.ema_power_s=None)')
+  params = lora_lib.combine(params, trainer.state.frozen)     # the adapted model under LoRA
   task = trainer.task
   prompts = list(prompts or task.prompt_set())
   if not all(hasattr(task, m) for m in ('conditions_from_prompts', 'record_of')):

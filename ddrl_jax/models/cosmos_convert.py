@@ -172,3 +172,64 @@ def merge_params(config, state):
   abstract = nnx.eval_shape(lambda: CosmosDiT(config, rngs=nnx.Rngs(0)))
   graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
   return nnx.merge(graphdef, state, rest)
+
+
+# ------------------------------------------------------------------------------ NNX -> diffusers
+def _fill(pattern, values):
+  """A rule's source regex with its capture groups replaced by `values` in order, unescaped: the key."""
+  out, i, k = [], 0, 0
+  while i < len(pattern):
+    c = pattern[i]
+    if c == '\\':
+      out.append(pattern[i + 1])
+      i += 2
+    elif c == '(':
+      depth, j = 1, i + 1
+      while depth:
+        if pattern[j] == '\\':
+          j += 2
+          continue
+        depth += {'(': 1, ')': -1}.get(pattern[j], 0)
+        j += 1
+      out.append(str(values[k]))
+      k += 1
+      i = j
+    else:
+      out.append(c)
+      i += 1
+  return ''.join(out)
+
+
+def _inverse_rules(rules):
+  """[(regex over our '/'-joined path, source pattern, kind, per-block)] of (regex, template, kind) rules."""
+  out = []
+  for pattern, template, kind in rules:
+    path_re = re.sub(r'\\\{\d\\\}', '([^/]+)', re.escape(template))
+    out.append((re.compile(path_re), pattern, kind, template.startswith('blocks/')))
+  return out
+
+
+def diffusers_names(path, num_blocks):
+  """diffusers `CosmosTransformer3DModel` keys of one NNX leaf path ('blocks/self_attn/q_proj/kernel'):
+  one per block for stacked leaves, else one; and the leaf's kind ('linear': transpose). ValueError
+  when no rule maps it."""
+  for path_re, pattern, kind, block in _inverse_rules(_diffusers_rules()):
+    m = path_re.fullmatch(path)
+    if m:
+      if block:
+        return [_fill(pattern, (i, *m.groups())) for i in range(num_blocks)], kind
+      return [_fill(pattern, m.groups())], kind
+  raise ValueError(f'{path}: no diffusers name for this parameter')
+
+
+def to_diffusers_state_dict(flat, num_blocks):
+  """{'/'-joined NNX path: array} of a CosmosDiT's Params -> diffusers state dict (numpy, torch layout:
+  Linear weights [out, in], per-block tensors unstacked). The inverse of `convert_diffusers_state_dict`."""
+  out = {}
+  for path, value in flat.items():
+    names, kind = diffusers_names(path, num_blocks)
+    value = np.asarray(value)
+    parts = [value[i] for i in range(num_blocks)] if len(names) > 1 or path.startswith('blocks/') else [value]
+    for name, part in zip(names, parts):
+      out[name] = np.ascontiguousarray(part.T if kind == 'linear' else part)
+  return out

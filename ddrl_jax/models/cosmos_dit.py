@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddrl_jax.models import attention as attention_lib
+from ddrl_jax.models import layers
 from ddrl_jax.parallel.plan import constrain
 from ddrl_jax.parallel.plan import self_attention
-from ddrl_jax.parallel.plan import tokens_mergeable
 
 REMAT_POLICIES = {
     'none': None,
@@ -227,30 +227,9 @@ def replace_cond_velocity(v, noise, gt, cond_mask):
 # ----------------------------------------------------------------------------------------------- modules
 
 
-class TokenLinear(nnx.Linear):
-  """nnx.Linear applied to (..., din) as one (prod(...), din) matrix: (..., din) -> (..., dout).
-
-  The same result and parameters as nnx.Linear. Flattening the leading axes first makes the kernel's
-  gradient a single-axis contraction x^T dy; contracting several leading axes at once made XLA:CPU
-  transpose both operands (and re-run the fused producers) before the matmul: the DiT's forward+backward
-  at width 128 went from 0.81 s to 0.48 s (benchmarks/RESULTS.md, issue 13). Under a plan that splits
-  the tokens (context parallelism, `parallel.plan.tokens_mergeable`) the layer runs unflattened.
-  """
-
-  def __call__(self, x):
-    if x.ndim <= 2 or not tokens_mergeable():   # context-parallel plans keep the token axes
-      return super().__call__(x)
-    lead = x.shape[:-1]
-    y = super().__call__(x.reshape(-1, x.shape[-1]))
-    return y.reshape(lead + y.shape[-1:])
-
-
-def _linear(din, dout, names, rngs, *, dtype, param_dtype, bias=False):
-  """A TokenLinear whose kernel (din, dout) and bias (dout,) carry logical axis `names`."""
-  return TokenLinear(
-      din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-      kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), names, eager_sharding=False),
-      bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), names[1:], eager_sharding=False))
+# The shared dense layer (ddrl_jax/models/layers.py); the names are kept for existing callers.
+TokenLinear = layers.Dense
+_linear = layers.dense
 
 
 class RMSNorm(nnx.Module):

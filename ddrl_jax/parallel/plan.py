@@ -85,10 +85,10 @@ class ShardingPlan:
 
   def state(self, abstract_state, optimizer,
             param_fields=('params', 'ema_params', 'ref_params', 'old_params'),
-            opt_field='opt_state'):
+            opt_field='opt_state', frozen_fields=('frozen',)):
     """Shardings of a NamedTuple train state: `param_fields` follow the parameter rules, `opt_field` the
-    parameters it tracks (optax.tree_map_params; its counters are replicated), everything else replicated.
-    A field that is None stays None."""
+    parameters it tracks (optax.tree_map_params; its counters are replicated), `frozen_fields` the
+    parameter rules on their own trees, everything else replicated. A field that is None stays None."""
     param_sh = self.params(abstract_state.params)
     rep = self.replicated()
     out = {}
@@ -97,6 +97,8 @@ class ShardingPlan:
         out[field] = None
       elif field in param_fields:
         out[field] = param_sh
+      elif field in frozen_fields:     # a parameter tree of its own (LoRA's frozen base)
+        out[field] = self.params(value)
       elif field == opt_field:
         out[field] = optax.tree_map_params(
             optimizer, lambda _, s: s, value, param_sh, transform_non_params=lambda _: rep,

@@ -20,6 +20,7 @@ import numpy as np
 
 from ddrl_jax import params_io
 from ddrl_jax.models import cosmos_dit
+from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.models import cosmos_t2i
 from ddrl_jax.models import text as text_lib
 from ddrl_jax.rewards import ocr as ocr_reward
@@ -96,24 +97,33 @@ class OCRTask:
 
   def __init__(self, config):
     self.config = config
+    self.lora = lora_lib.from_config(config)
     self.c = config.ocr
     self.model_cfg = model_config(self.c)
 
   # ----------------------------------------------------------------------------------- model
-  def _build(self, key):
-    return cosmos_t2i.CosmosT2I(self.model_cfg, rngs=nnx.Rngs(key))
+  def _build(self, key, adapters=True):
+    """The model of `key`; with config.lora's adapters (their own key) unless adapters=False."""
+    model = cosmos_t2i.CosmosT2I(self.model_cfg, rngs=nnx.Rngs(key))
+    if adapters:
+      lora_lib.attach(model, self.lora, lora_lib.adapter_key(key))
+    return model
 
   def init_model(self, key):
     """(apply_fn, params): the base checkpoint config.ocr.base_checkpoint; random weights when it is ''
-    (or missing and config.ocr.require_base is False)."""
-    apply_fn, params = self.init_untrained(key)
+    (or missing and config.ocr.require_base is False); config.lora's adapters added to it."""
+    _, params = self.init_untrained(key)
     path = resolve(self.c.base_checkpoint)
     if path and os.path.exists(path):
       params = params_io.load_params(path, params, 'config.ocr.base_checkpoint')
     elif path and self.c.require_base:
       raise FileNotFoundError(f'config.ocr.base_checkpoint={self.c.base_checkpoint!r} does not exist; '
                               f'train it with python -m ddrl_jax.pretrain --config=configs/ocr_tiny.py')
-    return apply_fn, params
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: self._build(key, adapters=False)))
+    model = nnx.merge(graphdef, params)
+    lora_lib.attach(model, self.lora, lora_lib.adapter_key(key))
+    graphdef, params = nnx.split(model)
+    return make_apply_fn(graphdef, self.c.min_t, self.c.guidance), params
 
   @property
   def compute_dtype(self):
@@ -129,8 +139,8 @@ class OCRTask:
     return float(sum(parts.values())) * (1 if self.c.guidance == 1.0 else 2)
 
   def init_untrained(self, key):
-    """(apply_fn, random params): what ddrl_jax.pretrain starts from."""
-    graphdef, params = nnx.split(self._build(key))
+    """(apply_fn, random params) without adapters: what ddrl_jax.pretrain starts from."""
+    graphdef, params = nnx.split(self._build(key, adapters=False))
     return make_apply_fn(graphdef, self.c.min_t, self.c.guidance), params
 
   def abstract_params(self, key):

@@ -54,6 +54,7 @@ from ddrl_jax import parallel
 from ddrl_jax.parallel import hosts
 from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import cosmos_dit
+from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.models import text as text_lib
 from ddrl_jax.models import wan_vae
 from ddrl_jax.rewards import basic as basic_rewards
@@ -113,8 +114,9 @@ def place_converted(abstract, shardings, ckpt_dir, key):
 
 
 def restore_converted(module, ckpt_dir, key):
-  """Loads converted parameters into `module`'s Params, in place (see `_load_converted`)."""
-  state = nnx.state(module, nnx.Param)
+  """Loads converted parameters into `module`'s Params (not LoRA adapters), in place (see
+  `_load_converted`)."""
+  state = nnx.state(module, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
   host = _load_converted(ckpt_dir, nnx.to_pure_dict(state), key)
   nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, host))
   nnx.update(module, state)
@@ -187,6 +189,7 @@ class CosmosVideo:
 
   def __init__(self, config):
     self.config = config
+    self.lora = lora_lib.from_config(config)
     c = self.c = config.cosmos
     self.dit = dit_config(c)
     self.vae_cfg = vae_config(c)
@@ -218,8 +221,12 @@ class CosmosVideo:
     return float(sum(parts.values()))
 
   # ----------------------------------------------------------------------------------- model
-  def _build_model(self, key):
-    return cosmos_dit.CosmosDiT(self.dit, rngs=nnx.Rngs(key))
+  def _build_model(self, key, adapters=True):
+    """The DiT of `key`; with config.lora's adapters (their own key) unless adapters=False."""
+    model = cosmos_dit.CosmosDiT(self.dit, rngs=nnx.Rngs(key))
+    if adapters:
+      lora_lib.attach(model, self.lora, lora_lib.adapter_key(key))
+    return model
 
   def init_model(self, key):
     """(apply_fn, params): random init, or converted weights when config.cosmos.checkpoint is set."""
@@ -243,11 +250,17 @@ class CosmosVideo:
     threefry_partitionable the values equal a single-device init). Converted weights
     (config.cosmos.checkpoint) are read into host memory and each device receives its slices.
     """
-    if self.c.checkpoint:
-      _, abstract = self.abstract_params(key)
-      return place_converted(abstract, shardings, self.c.checkpoint, 'config.cosmos.checkpoint')
     init = lambda k: nnx.split(self._build_model(k))[1]
-    return parallel.sharded_init(init, shardings, key)
+    if not self.c.checkpoint:
+      return parallel.sharded_init(init, shardings, key)
+    _, abstract = self.abstract_params(key)
+    if not self.lora.enabled:     # full fine-tuning: the converted weights are all of it
+      return place_converted(abstract, shardings, self.c.checkpoint, 'config.cosmos.checkpoint')
+    _, abstract_base = lora_lib.split(abstract, self.lora)
+    adapter_sh, base_sh = lora_lib.split(shardings, self.lora)
+    base = place_converted(abstract_base, base_sh, self.c.checkpoint, 'config.cosmos.checkpoint')
+    adapters = parallel.sharded_init(lambda k: lora_lib.split(init(k), self.lora)[0], adapter_sh, key)
+    return lora_lib.combine(adapters, base)
 
   # ------------------------------------------------------------------------- VAE and dataset
   def _vae_fns(self):
