@@ -1,12 +1,15 @@
 """AOT memory of one DDRL iteration of Cosmos 2B / 14B on Cloud TPU v5p slices, compiled on this CPU host.
 
   cd /work/main && JAX_PLATFORMS=cpu python benchmarks/aot_cosmos.py [--out=benchmarks/aot_cosmos.jsonl]
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_cosmos.py --models=cosmos2b --lora_rank=32 --lora_alpha=64
 
 Needs libtpu (`pip install -e '.[aot]'`). For each model: the paper's mesh on its slice (all three
 functions, as `python -m ddrl_jax.aot` does), then ever smaller slices at the paper's batch (16 groups x 8
 rollouts) with the same fsdp and context sizes and fewer data replicas (each chip then holds more rollout
 slots), compiling `update` and `data_grads` (the largest functions) until one does not fit. Appends one
-JSON line per compile to --out (resumable: configurations already in the file are skipped).
+JSON line per compile to --out (resumable: configurations already in the file are skipped). With
+--lora_rank, the same with LoRA adapters (config.lora: the default targets, the blocks' attention
+projections) and rows named '<model>+lora<rank>'.
 """
 import argparse
 import json
@@ -39,10 +42,13 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument('--out', default='benchmarks/aot_cosmos.jsonl')
   parser.add_argument('--models', default='cosmos2b,cosmos14b')
+  parser.add_argument('--lora_rank', type=int, default=0)
+  parser.add_argument('--lora_alpha', type=float, default=0.0)
   args = parser.parse_args()
   done = _done(args.out)
-  for model in args.models.split(','):
-    module, slices = PLANS[model]
+  for base_model in args.models.split(','):
+    module, slices = PLANS[base_model]
+    model = base_model + (f'+lora{args.lora_rank}' if args.lora_rank else '')
     for i, (topology, mesh) in enumerate(slices):
       fns = aot.FUNCTIONS if i == 0 else ('update', 'data_grads')
       todo = [f for f in fns if (model, topology, f) not in done]
@@ -50,6 +56,7 @@ def main():
         continue
       config = module.get_config()
       config.mesh.update(mesh)
+      config.lora.update(rank=args.lora_rank, alpha=args.lora_alpha)
       fits = True
       for row in aot.compile_report(config, topology, fns=todo):
         row['model'] = model

@@ -5,6 +5,11 @@ seeds per method, with confidence intervals, two OCR readers and the hacking sta
   python benchmarks/ocr_table.py --budget_minutes=120   # stop cleanly after ~2 hours (rerun to go on)
   python benchmarks/ocr_table.py --report               # only the table and plot from the recorded rows
   python benchmarks/ocr_table.py --cells='ddrl:0;dance_grpo:0' --iterations=40 --eval_every=20
+  python benchmarks/ocr_table.py --cells='ddrl:0;ddrl+lora4:0;ddrl+lora16:0' --iterations=80 --eval_every=40 \
+      --workdir=workdir_ocr_lora --out=benchmarks/ocr_lora        # LoRA against full fine-tuning
+
+A method '<preset>+lora<r>' is the preset with LoRA adapters of rank r, alpha 2r, on the default targets
+(the DiT blocks' attention projections), at LORA_LEARNING_RATE.
 
 Every cell (method, seed) starts from configs/ocr_tiny.py's shipped base model and runs the same
 iterations of 8 prompts x 8 rollouts with the same SDE sampler (methods differ in their objective; the
@@ -48,6 +53,7 @@ from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import xla_flags
+from ddrl_jax.models import lora
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -78,6 +84,19 @@ DATA_REFERENCE = {'style_drift': 'data_style_drift', 'diversity': 'data_diversit
                   'colour_spread': 'data_colour_spread'}
 
 
+LORA_LEARNING_RATE = 1e-3     # 10x the full fine-tuning rate of configs/ocr_tiny.py
+
+
+def make_config(method):
+  """The ocr_tiny preset of `method`, with LoRA for '<preset>+lora<r>'."""
+  preset, _, rank = method.partition('+lora')
+  config = ocr_tiny.get_config(preset)
+  if rank:
+    config.lora.update(rank=int(rank), alpha=2.0 * int(rank))
+    config.optim.learning_rate = LORA_LEARNING_RATE
+  return config
+
+
 def parse_cells(text):
   """'ddrl:0,1;dance_grpo:0' -> [('ddrl', 0), ('dance_grpo', 0), ('ddrl', 1)]: seed-major, so a partial run
   has every method at seed 0 before any method at seed 1."""
@@ -88,7 +107,7 @@ def parse_cells(text):
       raise ValueError(f'--cells entry {part!r} is not method:seed[,seed...]')
     cells += [(method.strip(), int(s)) for s in seeds.split(',')]
   for method, _ in cells:
-    ocr_tiny.get_config(method)            # an unknown preset raises here, before anything runs
+    make_config(method)                    # an unknown preset raises here, before anything runs
   order = {m: i for i, m in enumerate(dict.fromkeys(m for m, _ in cells))}
   return sorted(dict.fromkeys(cells), key=lambda c: (c[1], order[c[0]]))
 
@@ -138,7 +157,8 @@ class Runner:
     """Evaluates the trainer's params, appends the row; returns the (P, K) grid and image statistics."""
     a = self.args
     metrics, grid, stats = evaluate_lib.evaluate_ocr(
-        config, trainer.apply_fn, trainer.state.params, trainer.task, prompts=a.prompts,
+        config, trainer.apply_fn, lora.combine(trainer.state.params, trainer.state.frozen), trainer.task,
+        prompts=a.prompts,
         per_prompt=a.per_prompt, reference_stats=self.reference, return_stats=True)
     rollout, train = passes_per_condition(config) if method != 'base' else (0, 0)
     row = dict(self.meta, method=method, seed=seed, iteration=iteration, train_seconds=train_seconds,
@@ -167,7 +187,7 @@ class Runner:
   def cell(self, method, seed):
     """Trains one cell from its latest checkpoint to --iterations, evaluating every --eval_every."""
     a = self.args
-    config = ocr_tiny.get_config(method)
+    config = make_config(method)
     config.seed = seed
     config.num_iterations = a.iterations
     config.checkpoint_every = a.eval_every
