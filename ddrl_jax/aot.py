@@ -152,6 +152,9 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
   optimizer = optim.make_optimizer(config.optim)
   apply_fn, abstract_params = task.abstract_params(jax.random.key(0))
   trained, frozen = lora_lib.split(abstract_params, lora_lib.from_config(config))
+  cast = getattr(task, 'cast_params', None)
+  if frozen is not None and cast is not None:     # the frozen base is kept in the compute dtype
+    frozen = jax.eval_shape(cast, frozen)
   abstract_state = jax.eval_shape(
       lambda p, f: trainer_lib.init_train_state(p, config, optimizer, f), trained, frozen)
   state_sh = plan.state(abstract_state, optimizer)

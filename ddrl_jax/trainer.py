@@ -204,13 +204,15 @@ class Trainer:
     # Under LoRA the base is built (or loaded) again in either case; only the adapters are restored.
     trained, frozen = lora_lib.split(
         self._initial_params(model_key) if restored is None or lora_on else None, self.lora)
+    sh = self.state_shardings
     if restored is None:
-      sh = self.state_shardings
-      init = jax.jit(lambda p, f: init_train_state(p, self.config, self.optimizer, f),
+      init = jax.jit(lambda p, f: init_train_state(p, self.config, self.optimizer, self._frozen_cast(f)),
                      in_shardings=(sh.params, sh.frozen), out_shardings=sh)
       self.state = init(trained, frozen)  # fresh buffers: the donating update never frees the task's arrays
     else:
       self.rng = jax.random.wrap_key_data(restored.pop('rng'))
+      if frozen is not None:
+        frozen = jax.jit(self._frozen_cast, in_shardings=(sh.frozen,), out_shardings=sh.frozen)(frozen)
       if lora_on:
         self._check_base(restored.pop('base_fingerprint'), frozen)
       self.state = TrainState(**{f: restored.get(f) for f in TrainState._fields if f != 'frozen'},
@@ -230,9 +232,18 @@ class Trainer:
           f'(content hash {np.asarray(saved).tolist()}, this run\'s base {now.tolist()}); start from the '
           'base the run was trained from (the checkpoint\'s config names it) or a new workdir')
 
+  def _frozen_cast(self, frozen):
+    """The frozen base as it is kept: in the compute dtype (the task's `cast_params`: bf16 kernels of the
+    layers that compute in bf16, the float32 islands as they are), i.e. exactly the copy every step
+    would otherwise cast it to, in half the bytes."""
+    cast = getattr(self.task, 'cast_params', None)
+    return frozen if frozen is None or cast is None else cast(frozen)
+
   def _plan_state(self, abstract_params, abstract_frozen=None):
     """Shardings of the train state by the logical rules, checked and logged (per-device bytes of the
     trained parameters and, under LoRA, of the frozen base with them). Returns the abstract train state."""
+    if abstract_frozen is not None:
+      abstract_frozen = jax.eval_shape(self._frozen_cast, abstract_frozen)
     abstract_state = jax.eval_shape(
         lambda p, f: init_train_state(p, self.config, self.optimizer, f), abstract_params, abstract_frozen)
     sh = self.state_shardings = self.plan.state(abstract_state, self.optimizer)

@@ -333,3 +333,28 @@ def test_export_cli_writes_adapters_and_merged_weights(lora_runs, tmp_path):
   full.lora.rank = 0
   with pytest.raises(cli.UsageError, match='no adapters'):
     export_lora.export(full, root / 'straight', str(tmp_path / 'x'))
+
+
+def test_frozen_base_is_kept_in_the_compute_dtype(tmp_path):
+  """Cosmos smoke with LoRA: the frozen base is stored as the step's bf16 compute copy (bf16 kernels of
+  the bf16 layers, float32 islands unchanged), the adapters in float32; the state and the shardings
+  agree, and the start-up report counts both parts."""
+  from configs import cosmos2b  # pylint: disable=g-import-not-at-top
+  c = cosmos2b.get_config('smoke')
+  c.cosmos.dtype = 'bfloat16'         # the smoke preset computes in float32; the full configs in bf16
+  c.lora.update(rank=4, alpha=4.0)
+  trainer = trainer_lib.Trainer(c, tmp_path / 'w', devices=jax.devices()[:1])
+  trainer.restore_or_init()
+  frozen = trainer.state.frozen
+  assert frozen['blocks']['self_attn']['q_proj']['kernel'][...].dtype == jnp.bfloat16
+  assert frozen['blocks']['adaln_modulation_mlp']['linear_1']['kernel'][...].dtype == jnp.float32
+  assert all(l.dtype == jnp.float32 for l in jax.tree.leaves(trainer.state.params))
+  want = trainer.task.cast_params(lora.split(trainer._initial_params(  # pylint: disable=protected-access
+      jax.random.fold_in(jax.random.key(c.seed), 0x6D6F64)), lora.from_config(c))[1])
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), frozen, want)
+  report = trainer.sharding_report['params']
+  assert report['total_bytes'] == _bytes(frozen) + _bytes(trainer.state.params)
+
+
+def _bytes(tree):
+  return sum(l.size * l.dtype.itemsize for l in jax.tree.leaves(tree))
