@@ -62,7 +62,7 @@ class _FakeTrainer:
   def __init__(self, config, workdir):
     self.config, self.workdir = config, str(workdir)
     self.apply_fn = self.task = None
-    self.state = types.SimpleNamespace(params=None)
+    self.state = types.SimpleNamespace(params=None, frozen=None)   # frozen: a LoRA base (none here)
     self.ckpt = types.SimpleNamespace(wait_until_finished=lambda: None)
     parts = self.workdir.split(os.sep)
     self.name = '/'.join(parts[-1:] if parts[-1] == 'base' else parts[-2:])   # base, METHOD/seedS
