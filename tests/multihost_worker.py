@@ -71,7 +71,8 @@ def run(spec):
   from ddrl_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(distributed.Options(
       coordinator_address=f'127.0.0.1:{port}' if nproc > 1 else None,
-      num_processes=nproc, process_id=pid, initialization_timeout=120, heartbeat_timeout=30,
+      num_processes=nproc, process_id=pid, initialization_timeout=120,
+      heartbeat_timeout=spec.get('heartbeat_timeout', 30),
       shutdown_timeout=60))
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
