@@ -50,7 +50,7 @@ from ddrl_jax.update import (  # pylint: disable=unused-import
     TrainState, RolloutBatch, flat_rollout_batch, group_rollout_batch, DataBatch,
     compute_advantages, make_sampler, init_train_state, make_update_fns, combine_metrics,
     make_train_step, jit_train_step, make_sample_fn, StepFns, uses_data_grads, build_step_fns, place_data,
-    rollout_params, model_params, model_param_shardings)
+    rollout_params, model_params)
 
 logger = logging.getLogger(__name__)
 # tqdm's rate and ETA would count the first iteration (compile); the pace is in the postfix instead.

@@ -117,11 +117,6 @@ def model_params(state, params=None):
   return params if state.frozen is None else lora_lib.Adapted(params, state.frozen)
 
 
-def model_param_shardings(state_shardings):
-  """The shardings of `model_params(state)`."""
-  return model_params(state_shardings)
-
-
 def rollout_params(state):
   """The parameters that sample the rollouts: diffusion_nft's old policy, else the trained ones."""
   return model_params(state, state.params if state.old_params is None else state.old_params)
@@ -298,7 +293,7 @@ def build_step_fns(config, plan, state_shardings, apply_fn, sampler, sample_shap
                                                sample_shape=sample_shape)
   data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer, cast)
   grads_sh = sh.params if uses_data_grads(config) else None
-  model_sh = model_param_shardings(sh)
+  model_sh = model_params(sh)          # the shardings of model_params(state)
   return StepFns(
       rollout=jax.jit(plan.scope(rollout), in_shardings=(model_sh, batch, rep), out_shardings=batch),
       sample=make_sample_fn(sampler, apply_fn, sample_shape, plan.mesh, model_sh, plan, cast),
