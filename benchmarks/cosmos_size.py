@@ -21,8 +21,8 @@ import math
 import flax.nnx as nnx
 import jax
 
-from ddrl_jax.models import cosmos_dit
-from ddrl_jax.models.cosmos_dit import forward_flops
+from ddrl_jax.models.cosmos import dit as cosmos_dit
+from ddrl_jax.models.cosmos.dit import forward_flops
 
 PUBLISHED = {'cosmos2b': 2.0e9, 'cosmos14b': 14.0e9}
 REFERENCE_ESTIMATE = {'cosmos2b': 2.059e9, 'cosmos14b': 14.37e9}

@@ -69,7 +69,7 @@ from ddrl_jax import tasks  # pylint: disable=wrong-import-position
 from ddrl_jax import update as update_lib  # pylint: disable=wrong-import-position
 from ddrl_jax import xla_flags  # pylint: disable=wrong-import-position
 from ddrl_jax.models import attention as attention_lib  # pylint: disable=wrong-import-position
-from ddrl_jax.models import cosmos_dit  # pylint: disable=wrong-import-position
+from ddrl_jax.models.cosmos import dit as cosmos_dit  # pylint: disable=wrong-import-position
 from ddrl_jax.parallel import topology as topology_lib  # pylint: disable=wrong-import-position
 
 FUNCTIONS = ('rollout', 'data_grads', 'update')

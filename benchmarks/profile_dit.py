@@ -43,7 +43,7 @@ def dit_grad_fn(args):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from ddrl_jax.models import cosmos_dit  # pylint: disable=import-outside-toplevel
+  from ddrl_jax.models.cosmos import dit as cosmos_dit  # pylint: disable=import-outside-toplevel
   cfg = cosmos_dit.CosmosDiTConfig(model_channels=args.width, num_blocks=args.blocks, num_heads=args.heads,
                                    adaln_lora_dim=32, crossattn_in=None, context_dim=args.width,
                                    remat_policy=args.remat)

@@ -82,9 +82,9 @@ from ddrl_jax import parallel
 from ddrl_jax import rl
 from ddrl_jax import update as update_lib
 from ddrl_jax import xla_flags
-from ddrl_jax.models import cosmos_convert
-from ddrl_jax.models import cosmos_dit
-from ddrl_jax.tasks import video
+from ddrl_jax.models.cosmos import convert as cosmos_convert
+from ddrl_jax.models.cosmos import dit as cosmos_dit
+from ddrl_jax.models.cosmos import family as cosmos_family
 
 GOAL_FLOP_LIMIT = 1.3     # iteration seconds <= this x its FLOP limit
 GOAL_TORCH_SPEEDUP = 1.6  # torch peer iteration seconds >= this x JAX's
@@ -302,7 +302,7 @@ def step_fns(shape, graphdef, params):
   plan = parallel.ShardingPlan.from_config(config, mesh)
   optimizer = optim.make_optimizer(config.optim)
   sampler = update_lib.make_sampler(config)
-  apply_fn = video.make_apply_fn(graphdef, config.cosmos.cond_timestep)
+  apply_fn = cosmos_family.make_video_apply_fn(graphdef, config.cosmos.cond_timestep)
   abstract_state = jax.eval_shape(lambda p: update_lib.init_train_state(p, config, optimizer), params)
   state_sh = plan.state(abstract_state, optimizer)
   fns = update_lib.build_step_fns(config, plan, state_sh, apply_fn, sampler, shape.sample_shape, optimizer)
@@ -332,7 +332,7 @@ def public_grad_fn(graphdef, config, sampler, form='public'):
   advantages (B, N), steps (B, N, K), cond {'text': (B, L, C)}, data DataTerm, key) -> ((loss, metrics),
   grads)."""
   r = config.rl
-  apply_fn = video.make_apply_fn(graphdef, config.cosmos.cond_timestep)
+  apply_fn = cosmos_family.make_video_apply_fn(graphdef, config.cosmos.cond_timestep)
   kw = dict(clip_range=r.clip_range, log_ratio_form=r.log_ratio or 'cosmos', loss_scale=r.loss_scale,
             old_mean=r.old_mean)
 
@@ -466,7 +466,7 @@ def torch_parity(model, graphdef, params, shape, batch=2):
   cfg = shape.dit()
   x, t, text = _dit_inputs(cfg, batch, shape.latent, shape.text_tokens, seed=3)
   t = t[:, 0]
-  ours = np.asarray(jax.jit(video.make_apply_fn(graphdef, 1e-4))(params, x, t, {'text': text}))
+  ours = np.asarray(jax.jit(cosmos_family.make_video_apply_fn(graphdef, 1e-4))(params, x, t, {'text': text}))
   with torch.no_grad():
     ref = torch_peer.velocity(model, torch.tensor(np.asarray(x)), torch.tensor(np.asarray(t)),
                               torch.tensor(np.asarray(text))).numpy()
@@ -497,7 +497,7 @@ def ocr_iteration(iterations=4):
   timed = rows[1:]
   phases = {k: med([r[k] for r in timed]) for k in OCR_PHASES}
   phases['iteration'] = med([sum(r[k] for k in OCR_PHASES) for r in timed])
-  dit = ocr_task.model_config(config.ocr).dit
+  dit = cosmos_family.t2i_config(config.ocr).dit
   nfe = flops_lib.sampler_nfe(config)
   flops = iteration_flops(config, forward_flops(dit, (1,) + ocr_task.OCRTask.sample_shape[1:],
                                                 config.ocr.text_length), nfe)

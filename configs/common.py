@@ -8,6 +8,9 @@ def base_config():
   """Every key the trainer reads, with cosmos-rl's DDRL defaults (docs/reference/ddrl_in_cosmos_rl.md)."""
   c = ml_collections.ConfigDict()
   c.task = ''
+  # The network (ddrl_jax/models/family.py FAMILIES); '' = the task's own (toy2d: mlp, ocr: cosmos_t2i,
+  # video: cosmos). Its options live in the task's section (config.toy2d, .ocr, .cosmos).
+  c.model_family = ''
   c.algorithm = 'ddrl'
   c.seed = 0
   c.num_iterations = 1000       # optimizer steps (one per rollout batch)
@@ -103,6 +106,13 @@ def base_config():
       context_impl='none',           # self-attention on a context-sharded sequence: none, ulysses, ring
       max_replicated_fraction=0.02))  # more replicated parameter bytes than this on an FSDP mesh: error
   return c
+
+
+def use_family_rules(config, family):
+  """Merges the model family's own logical axis names into config.sharding.rules (so the command line
+  can override them, e.g. --config.sharding.rules.act_frames=)."""
+  from ddrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
+  config.sharding.rules.update(family_lib.logical_rules(family))
 
 
 # Each baseline preset follows one public recipe; the comment block above its branch names the

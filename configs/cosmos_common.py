@@ -26,6 +26,7 @@ def get_config(model, arg=''):
   c = common.base_config()
   common.apply_algorithm_preset(c, 'ddrl')
   c.task = 'video'
+  common.use_family_rules(c, 'cosmos')
   c.seed = 0
   c.num_iterations = 2001           # trainer.max_iter
   c.batch_size = 16                 # condition groups per optimizer step
@@ -126,10 +127,10 @@ def get_config(model, arg=''):
 
 
 def _wan_mean():
-  from ddrl_jax.models import wan_vae  # pylint: disable=g-import-not-at-top
+  from ddrl_jax.models.wan import vae as wan_vae  # pylint: disable=g-import-not-at-top
   return wan_vae.WAN21_LATENTS_MEAN
 
 
 def _wan_std():
-  from ddrl_jax.models import wan_vae  # pylint: disable=g-import-not-at-top
+  from ddrl_jax.models.wan import vae as wan_vae  # pylint: disable=g-import-not-at-top
   return wan_vae.WAN21_LATENTS_STD

@@ -24,6 +24,7 @@ SYNTHETIC = os.path.join(REPO_ROOT, 'checkpoints', 'ocr_tiny_synthetic')
 def get_config(arg='ddrl'):
   c = common.base_config()
   c.task = 'ocr'
+  common.use_family_rules(c, 'cosmos_t2i')
   c.num_iterations = 80
   c.batch_size = 8                  # prompts per iteration
   c.num_rollouts = 8                # N images per prompt

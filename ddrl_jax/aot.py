@@ -14,7 +14,7 @@ config's shapes: nothing is allocated and no weights are needed. For each functi
   rollouts, data, gradient; XLA's arguments leave out inputs a function does not read), peak_bytes =
   max(per_chip_bytes, resident + output - alias + temp), hbm_bytes, fits and spare_fraction (by
   peak_bytes), flops (cost_analysis: XLA counts a scan body once, so this is far below the real count),
-  analytic_flops (cosmos_dit.forward_flops x the function's network passes, per chip), compile_s.
+  analytic_flops (the model family's forward_flops x the function's network passes, per chip), compile_s.
 
 Exits 1 when a function's peak does not fit the chip's HBM (or `--margin` of it). The compile options of
 LIBTPU_INIT_ARGS apply as in a real run (set the variable before starting).
@@ -39,7 +39,6 @@ from ddrl_jax import tasks
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import xla_flags
 from ddrl_jax.models import attention as attention_lib
-from ddrl_jax.models import cosmos_dit
 from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.rl import algorithms
 from ddrl_jax.parallel import topology as topology_lib
@@ -114,8 +113,8 @@ def resident_inputs(name, args):
 
 
 def network_passes(config, fn, remat):
-  """Forward-equivalents of the network per rollout slot: the rollout's T calls (+1: cosmos' final clean
-  call); per trained step a gradient costs 3 (forward + backward), 4 with full remat; the data term too."""
+  """Forward-equivalents of the network per rollout slot: the rollout's T calls (+1: the cosmos_2ab
+  sampler's final clean call); per trained step a gradient costs 3 (forward + backward), 4 with full remat; the data term too."""
   if fn == 'rollout':
     return config.sampler.num_steps + (1 if config_lib.sampler_kind(config) == 'cosmos_2ab' else 0)
   pool = config_lib.train_steps(config)
@@ -127,32 +126,20 @@ def network_passes(config, fn, remat):
   return grad * k
 
 
-def analytic_forward_flops(task):
-  """benchmarks/cosmos_size.py's FLOPs of one network forward of one sample (None if not a Cosmos DiT)."""
-  dit = getattr(task, 'dit', None)
-  if dit is None:
-    return None
-  _, parts = cosmos_dit.forward_flops(dit, latent=tuple(task.sample_shape[1:]),
-                                      text_tokens=task.c.text_length)
-  return float(sum(parts.values()))
-
-
 def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_options=None):
   """Compiles `fns` for `topology`; yields one dict per function (see the module docstring)."""
   devices = topology_lib.topology_devices(topology, num_slices)
   platform = devices[0].platform
-  attention = config.get('cosmos', {}).get('attention')
-  if attention is not None and attention.kernel in ('', 'auto'):
-    # The kernel a run on the target would pick (this host's backend would pick 'xla').
-    attention.kernel = attention_lib.default_kernel(platform)
   config_lib.validate(config, len(devices))
   mesh = parallel.make_mesh(config.mesh, devices)
-  plan = parallel.ShardingPlan.from_config(config, mesh)
   task = tasks.get_task(config)
+  task.require('aot')
+  family = task.family
+  plan = parallel.ShardingPlan.for_model(config, mesh, family)
   optimizer = optim.make_optimizer(config.optim)
   apply_fn, abstract_params = task.abstract_params(jax.random.key(0))
   trained, frozen = lora_lib.split(abstract_params, lora_lib.from_config(config))
-  cast = getattr(task, 'cast_params', None)
+  cast = task.cast_params
   if frozen is not None and cast is not None:     # the frozen base is kept in the compute dtype
     frozen = jax.eval_shape(cast, frozen)
   abstract_state = jax.eval_shape(
@@ -161,15 +148,18 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
   params_report = plan.check_params(lora_lib.combine(abstract_state.params, abstract_state.frozen),
                                     lora_lib.combine(state_sh.params, state_sh.frozen))
   step_fns = trainer_lib.build_step_fns(config, plan, state_sh, apply_fn, trainer_lib.make_sampler(config),
-                                        task.sample_shape, optimizer, getattr(task, 'cast_params', None))
+                                        task.sample_shape, optimizer, task.cast_params)
   args = abstract_inputs(config, plan, task, step_fns, state_sh, abstract_state)
   hbm = topology_lib.hbm_bytes(topology)
-  fwd = analytic_forward_flops(task)
+  fwd = task.forward_flops_per_sample()
   slots = config.batch_size * config.num_rollouts
-  remat = config.get('cosmos', {}).get('remat_policy', 'none')
+  remat = family.remat_policy
+  kernel = family.attention_kernel(platform)
   for name in fns:
     t0 = time.perf_counter()
-    lowered = getattr(step_fns, name).lower(*args[name])
+    # '' / 'auto' attention kernels resolve for the target (this host's backend would pick 'xla').
+    with attention_lib.target_platform(platform):
+      lowered = getattr(step_fns, name).lower(*args[name])
     try:
       compiled = lowered.compile(compiler_options or None)
     except jax.errors.JaxRuntimeError as e:
@@ -193,7 +183,7 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
     peak = max(per_chip, resident + mem.output_size_in_bytes - mem.alias_size_in_bytes
                + mem.temp_size_in_bytes)
     row = dict(fn=name, topology=topology, num_slices=num_slices, mesh=dict(mesh.shape),
-               attention=attention.kernel if attention is not None else None,
+               attention=kernel,
                context_impl=plan.context_impl,
                per_chip_bytes=int(per_chip), resident_bytes=int(resident), peak_bytes=int(peak),
                argument_bytes=int(mem.argument_size_in_bytes),

@@ -14,13 +14,13 @@ import os
 INTEGRITY = 'ddrl_integrity.json'
 
 # Keys a resumed run may change: budgets, logging, the learning-rate schedule, reward-service plumbing,
-# data-loader parallelism, the mesh and its sharding rules (checkpoints restore onto any topology), where
-# the initial weights came from (read only when starting from step 0) and the pretraining section (not
-# read by the RL run).
+# data-loader parallelism, the mesh and its sharding rules (checkpoints restore onto any topology) and the
+# pretraining section (not read by the RL run). Where a model family's initial weights came from (read only
+# when starting from step 0) is safe too: the family names those keys (`resume_safe_keys`) and the caller
+# passes them as `extra_safe`.
 SAFE_TO_CHANGE = (
     'num_iterations', 'log_every', 'checkpoint_every', 'max_checkpoints', 'eval_every',
     'eval_samples', 'max_nonfinite_steps', 'checkpoint_checksums', 'pretrain.',
-    'ocr.base_checkpoint', 'ocr.require_base', 'cosmos.checkpoint',
     'optim.learning_rate', 'optim.warmup_steps', 'optim.warmup_init_factor',
     'reward.workers', 'reward.chunk_size', 'reward.chunk_timeout_s', 'reward.timeout_s',
     'reward.max_failed_batches', 'reward.backend', 'reward.redis_url', 'reward.token_env',
@@ -32,7 +32,7 @@ SAFE_TO_CHANGE = (
 ADDED_KEY_DEFAULTS = {
     'rl.adv_normalization': 'cosmos', 'rl.adv_global_std': True, 'rl.failed_advantage': 'zero',
     'rl.drop_zero_advantages': False, 'rl.kl_form': 'exact', 'rl.nft_beta': 1.0, 'rl.nft_old_decay': 1,
-    'lora.rank': 0,
+    'lora.rank': 0, 'model_family': '',
 }
 
 
@@ -120,12 +120,13 @@ def flatten(tree, prefix=''):
   return out
 
 
-def _safe(key):
-  return any(key == s or (s.endswith('.') and key.startswith(s)) for s in SAFE_TO_CHANGE)
+def _safe(key, extra_safe=()):
+  return any(key == s or (s.endswith('.') and key.startswith(s)) for s in SAFE_TO_CHANGE + tuple(extra_safe))
 
 
-def config_differences(saved, current):
-  """(safe, unsafe): lists of (key, saved value, current value) between two config dicts."""
+def config_differences(saved, current, extra_safe=()):
+  """(safe, unsafe): lists of (key, saved value, current value) between two config dicts; `extra_safe`
+  adds safe keys (or 'prefix.' groups) to SAFE_TO_CHANGE."""
   a, b = flatten(saved), flatten(current)
   if any(k.startswith('rl.') for k in a):       # a trainer config written before those keys existed
     for key, value in ADDED_KEY_DEFAULTS.items():
@@ -134,16 +135,16 @@ def config_differences(saved, current):
            if a.get(k, '<absent>') != b.get(k, '<absent>')]
   if a.get('lora.rank', 0) == 0 and b.get('lora.rank', 0) == 0:   # no adapters: their settings are moot
     diffs = [d for d in diffs if not d[0].startswith('lora.')]
-  return [d for d in diffs if _safe(d[0])], [d for d in diffs if not _safe(d[0])]
+  return ([d for d in diffs if _safe(d[0], extra_safe)], [d for d in diffs if not _safe(d[0], extra_safe)])
 
 
-def check_compatible(saved, current, step_dir):
+def check_compatible(saved, current, step_dir, extra_safe=()):
   """Raises IncompatibleCheckpoint listing the unsafe differences; returns the safe ones."""
-  safe, unsafe = config_differences(saved, current)
+  safe, unsafe = config_differences(saved, current, extra_safe)
   if unsafe:
     shown = '; '.join(f'{k}: {v!r} in the checkpoint, {w!r} now' for k, v, w in unsafe[:8])
     more = f' (and {len(unsafe) - 8} more)' if len(unsafe) > 8 else ''
     raise IncompatibleCheckpoint(
         f'{step_dir} was written with another config: {shown}{more}. Resume with the same config '
-        f'(only {", ".join(SAFE_TO_CHANGE)} may change), or use a new --workdir.')
+        f'(only {", ".join(SAFE_TO_CHANGE + tuple(extra_safe))} may change), or use a new --workdir.')
   return safe

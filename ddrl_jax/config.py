@@ -142,13 +142,14 @@ def validate(config, num_devices):
 
 
 def _attention_shape(config):
-  """(num_heads, latent frames) of the task's DiT, or None for a task without attention."""
-  if config.get('cosmos') is not None:
-    from ddrl_jax.tasks import video  # pylint: disable=g-import-not-at-top
-    return video.dit_config(config.cosmos).num_heads, config.cosmos.latent_shape[0]
-  if config.get('ocr') is not None:
-    return config.ocr.heads, 1            # images: one frame
-  return None
+  """The model family's `AttentionShape` (heads, sequence blocks), or None (no attention, no task)."""
+  if not config.get('task'):
+    return None
+  from ddrl_jax import tasks  # pylint: disable=g-import-not-at-top
+  try:
+    return tasks.get_family(config).attention_shape()
+  except ValueError as e:
+    raise ConfigError(str(e), 'model_family' if 'model_family' in str(e) else 'task') from None
 
 
 def _validate_sharding(config, sizes):
@@ -171,9 +172,9 @@ def _validate_sharding(config, sizes):
   shape = _attention_shape(config)
   if cp == 1 or shape is None:
     return
-  heads, frames = shape
-  key = 'cosmos.latent_shape' if config.get('cosmos') is not None else 'mesh.context'
-  _check(frames % cp == 0, key, config.cosmos.latent_shape if key != 'mesh.context' else cp,
+  heads, frames = shape.heads, shape.seq_blocks
+  key = shape.key
+  _check(frames % cp == 0, key, shape.value if key != 'mesh.context' else cp,
          f'{frames} latent frames do not divide over mesh.context = {cp} (the sequence is sharded by '
          f'latent frames)')
   if s.context_impl == 'ulysses':

@@ -110,7 +110,7 @@ def sample_images(config, apply_fn, params, task, texts, seed=0):
   batch is padded to a multiple of the data-parallel size and cut back."""
   mesh = parallel.make_mesh(config.mesh, jax.devices())
   sample = trainer_lib.make_sample_fn(trainer_lib.make_sampler(config), apply_fn, task.sample_shape,
-                                      mesh)
+                                      mesh, plan=parallel.ShardingPlan.for_model(config, mesh, task.family))
   padded = list(texts) + [texts[-1]] * (-len(texts) % parallel.data_parallel_size(mesh))
   cond = jax.device_put(jnp.asarray(task.ids_of(padded)), parallel.batch_sharding(mesh))
   samples = np.asarray(sample(params, cond, jax.random.key(seed))).reshape(

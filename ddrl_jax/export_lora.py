@@ -41,26 +41,22 @@ def export(config, workdir, out, *, ema=False, merged=False):
   if trained is None:
     raise cli.UsageError('--ema: the run keeps no EMA', 'drop --ema (config.optim.ema_power_s was None)')
   trained = jax.device_get(trained)
-  num_blocks = _num_blocks(trainer.task)
+  exporter = trainer.task.family.exporter()
+  if exporter is None:
+    raise cli.UsageError(f'model family {trainer.task.family.name!r} has no diffusers counterpart to '
+                         'export to', 'export works for the families with diffusers names')
   os.makedirs(out, exist_ok=True)
   adapters = os.path.join(out, lora_export.WEIGHTS_NAME)
-  modules = lora_export.save_adapters(adapters, trained, spec, num_blocks)
+  modules = lora_export.save_adapters(adapters, trained, spec, exporter)
   info = dict(workdir=str(workdir), step=step, ema=ema, rank=spec.rank, alpha=spec.alpha or spec.rank,
               modules=modules, adapters=adapters)
   if merged:
     full = jax.device_get(lora_lib.combine(trained, trainer.state.frozen))
     info['merged'] = os.path.join(out, lora_export.MERGED_NAME)
-    lora_export.save_merged(info['merged'], full, spec, num_blocks)
+    lora_export.save_merged(info['merged'], full, spec, exporter)
   with open(os.path.join(out, 'export.json'), 'w') as f:
     json.dump(info, f, indent=1)
   return info
-
-
-def _num_blocks(task):
-  dit = getattr(task, 'dit', None) or getattr(getattr(task, 'model_cfg', None), 'dit', None)
-  if dit is None:
-    raise cli.UsageError(f'task {type(task).__name__} has no Cosmos DiT', 'export works for the DiT tasks')
-  return dit.num_blocks
 
 
 def _define_flags():

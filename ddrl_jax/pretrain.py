@@ -93,7 +93,8 @@ def _prefetch(task, start, batch, depth=3):
 def evaluate(task, apply_fn, params, sampler, num, key, mesh):
   """Task metrics and (num, H, W, 3) uint8 images of EMA samples on held-out conditions."""
   cond = task.eval_conditions(jax.random.fold_in(key, 0), num)
-  sample = trainer_lib.make_sample_fn(sampler, apply_fn, task.sample_shape, mesh)
+  sample = trainer_lib.make_sample_fn(sampler, apply_fn, task.sample_shape, mesh,
+                                      plan=parallel.ShardingPlan.for_model(task.config, mesh, task.family))
   cond = np.asarray(cond)
   sharding = parallel.batch_sharding(mesh)
   placed = hosts.assemble(cond[hosts.row_split(sharding, num).mine], sharding, num)
@@ -110,10 +111,10 @@ def pretrain(config, workdir, progress=True):
   rows of each batch, and process 0 writes metrics, grids and the export's log."""
   c = config.pretrain
   task = tasks.get_task(config)
+  task.require('pretrain')
   mesh = parallel.make_mesh(config.mesh, jax.devices())
   key = jax.random.key(c.seed)
-  init = getattr(task, 'init_untrained', task.init_model)     # never from the base it is making
-  apply_fn, params = init(jax.random.fold_in(key, 0))
+  apply_fn, params = task.init_untrained(jax.random.fold_in(key, 0))   # never from the base it makes
   schedule = optax.warmup_cosine_decay_schedule(0.0, c.learning_rate, c.warmup_steps, c.steps,
                                                 end_value=c.learning_rate * 0.05)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),

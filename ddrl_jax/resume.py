@@ -38,13 +38,16 @@ class RunCheckpoints:
 
   config: the run's ConfigDict (saved with each step, compared on resume; max_checkpoints and
     checkpoint_checksums are read from it). loader: the run's data_pipeline.RecordLoader, or None.
+  safe_keys: config keys besides checkpoints.SAFE_TO_CHANGE that a resume may change (the model family's
+    `resume_safe_keys`: where its base weights came from).
   """
 
-  def __init__(self, workdir, config, loader=None):
+  def __init__(self, workdir, config, loader=None, safe_keys=()):
     self.workdir = storage.absolute(workdir)
     self.dir = os.path.join(self.workdir, 'checkpoints')
     self.config = config
     self.loader = loader
+    self.safe_keys = tuple(safe_keys)
     self.manager = self._manager()
 
   def _manager(self):
@@ -124,9 +127,9 @@ class RunCheckpoints:
       raise checkpoints_lib.DamagedCheckpoint(f'{path}: no config item')
     saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
     if strict:
-      changed = checkpoints_lib.check_compatible(saved, self.config.to_dict(), path)
+      changed = checkpoints_lib.check_compatible(saved, self.config.to_dict(), path, self.safe_keys)
     else:
-      changed = sum(checkpoints_lib.config_differences(saved, self.config.to_dict()), [])
+      changed = sum(checkpoints_lib.config_differences(saved, self.config.to_dict(), self.safe_keys), [])
     for key, old, new in changed:
       logger.info('%s %s with %s changed: %r -> %r', 'resuming' if strict else 'reading', path, key, old,
                   new)

@@ -117,19 +117,20 @@ class Trainer:
       raise ValueError('jax_threefry_partitionable is off: sharded random draws would differ from '
                        'unsharded ones (and between meshes); leave it at its default (True)')
     self.mesh = parallel.make_mesh(config.mesh, devices)
-    self.plan = parallel.ShardingPlan.from_config(config, self.mesh)
+    self.task = tasks.get_task(config)
+    self.plan = parallel.ShardingPlan.for_model(config, self.mesh, self.task.family)
     # Which rows of each batch this process holds (all of them with one process).
     self.layout = hosts.batch_layout(self.plan.batch(), self._data_sharding(config.batch_size),
                                      config.batch_size, config.num_rollouts)
     self.state_shardings = None    # set by restore_or_init
     self.cast_params = None        # the task's compute-dtype copy of the parameters, if any
-    self.task = tasks.get_task(config)
     self.lora = lora_lib.from_config(config)
     self.sampler = make_sampler(config)
     self.optimizer = optim.make_optimizer(config.optim)
     self.rng = jax.random.key(config.seed)
     self.loader = self.make_loader()
-    self.checkpoints = resume.RunCheckpoints(self.workdir, config, self.loader)
+    self.checkpoints = resume.RunCheckpoints(self.workdir, config, self.loader,
+                                             safe_keys=self.task.family.resume_safe_keys)
     self.ckpt_dir = self.checkpoints.dir
     self.apply_fn = None
     self.state = None
@@ -236,7 +237,7 @@ class Trainer:
     """The frozen base as it is kept: in the compute dtype (the task's `cast_params`: bf16 kernels of the
     layers that compute in bf16, the float32 islands as they are), i.e. exactly the copy every step
     would otherwise cast it to, in half the bytes."""
-    cast = getattr(self.task, 'cast_params', None)
+    cast = self.task.cast_params
     return frozen if frozen is None or cast is None else cast(frozen)
 
   def _plan_state(self, abstract_params, abstract_frozen=None):
@@ -259,18 +260,14 @@ class Trainer:
                 report['per_device_bytes'] / 2**30, report['total_bytes'] / 2**30,
                 100 * report['replicated_fraction'], trained, opt['per_device_bytes'] / 2**30)
     self.sharding_report = dict(params=report, opt_state=opt)
-    self.cast_params = getattr(self.task, 'cast_params', None)
+    self.cast_params = self.task.cast_params
     return abstract_state
 
   def _initial_params(self, key):
-    """Initial parameters placed shard by shard: the task's sharded init when it has one (the Cosmos
-    DiT: jit with out_shardings, or converted weights from host memory), else its init_model's result
-    placed with make_array_from_callback (small models, e.g. after toy2d's pretraining)."""
+    """Initial parameters placed shard by shard (`Task.init_params_sharded`: random weights drawn under
+    jit with out_shardings, base weights from host memory, each device receiving its own slices)."""
     shardings = lora_lib.combine(self.state_shardings.params, self.state_shardings.frozen)
-    if hasattr(self.task, 'init_params_sharded'):
-      return self.task.init_params_sharded(key, shardings)
-    _, params = self.task.init_model(key)
-    return parallel.place(params, shardings)
+    return self.task.init_params_sharded(key, shardings)
 
   def _step_dir(self, step):
     return self.checkpoints.step_dir(step)
@@ -293,12 +290,8 @@ class Trainer:
     self._rollout, self._sample = fns.rollout, fns.sample
     self._data_grads, self._update = fns.data_grads, fns.update
     self._compiled = False
-    count = getattr(self.task, 'forward_flops_per_sample', None)
-    self.forward_flops = float(count()) if count is not None else None
-    if self.forward_flops is None:
-      logger.warning('task %s has no forward_flops_per_sample(): no FLOPs or MFU metrics',
-                     self.config.task)
-    dtype = getattr(self.task, 'compute_dtype', 'float32')
+    self.forward_flops = float(self.task.forward_flops_per_sample())
+    dtype = self.task.compute_dtype
     self.peak_flops = flops_lib.devices_peak_flops(self.mesh.devices.flat, dtype)
     logger.info('throughput: %s FLOPs per forward of one sample; peak of the %d %s devices for %s '
                 'compute: %s', self.forward_flops, self.mesh.size,
@@ -465,12 +458,12 @@ class Trainer:
     root = jax.random.fold_in(self.rng, 0xE7A1)
     key = jax.random.fold_in(root, it)
     # The same evaluation conditions at every evaluation (held-out ones when the task has them).
-    make_cond = getattr(self.task, 'eval_conditions', self.task.conditions)
+    make_cond = self.task.eval_conditions
     host_cond = jax.device_get(rl_lib.repeat_groups(make_cond(root, groups), slots // groups))
     split = hosts.row_split(self.plan.batch(), slots)
     my_cond = jax.tree.map(lambda a: np.asarray(a)[split.mine], host_cond)
     cond = hosts.assemble(my_cond, self.plan.batch(), slots)
-    gather_all = getattr(self.task, 'eval_needs_all_samples', False)
+    gather_all = self.task.eval_needs_all_samples
     out = {}
     for name, params in (('eval', self.state.params), ('eval_ema', self.state.ema_params)):
       if params is None:

@@ -28,8 +28,8 @@ import pytest
 import cosmos_names  # tests/cosmos_names.py
 from flax import nnx
 
-from ddrl_jax.models import cosmos_convert
-from ddrl_jax.models import cosmos_dit as cd
+from ddrl_jax.models.cosmos import convert as cosmos_convert
+from ddrl_jax.models.cosmos import dit as cd
 
 torch = pytest.importorskip('torch')
 tc = pytest.importorskip('diffusers.models.transformers.transformer_cosmos')

@@ -20,7 +20,7 @@ from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import optim
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import update as update_lib
-from ddrl_jax.models import cosmos_dit
+from ddrl_jax.models.cosmos import dit as cosmos_dit
 from ddrl_jax.parallel import topology
 from ddrl_jax.tasks import ocr
 from ddrl_jax.tasks import toy2d

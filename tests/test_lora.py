@@ -13,7 +13,7 @@ from test_ocr_pipeline import tiny_config  # tests/test_ocr_pipeline.py
 from ddrl_jax import checkpoints as checkpoints_lib
 from ddrl_jax import config as config_lib
 from ddrl_jax import trainer as trainer_lib
-from ddrl_jax.models import cosmos_dit
+from ddrl_jax.models.cosmos import dit as cosmos_dit
 from ddrl_jax.models import lora
 
 ATTENTION = r'blocks\.(self_attn|cross_attn)\.(q_proj|k_proj|v_proj|output_proj)'

@@ -13,7 +13,8 @@ from flax import nnx
 from test_cosmos_dit import B, CROSS_IN, H, L, W, _config, _torch_forward  # tests/test_cosmos_dit.py
 from test_cosmos_dit import torch_model, diffusers_sd  # noqa: F401  pylint: disable=unused-import
 
-from ddrl_jax.models import cosmos_convert
+from ddrl_jax.models.cosmos import convert as cosmos_convert
+from ddrl_jax.models.cosmos import family as cosmos_family
 from ddrl_jax.models import lora
 from ddrl_jax.models import lora_export
 
@@ -66,7 +67,7 @@ def test_exported_adapters_load_into_diffusers_with_peft(adapted, torch_model, t
   base = _torch_forward(torch_model, x, t, ctx, cond, pad, monkeypatch)
   assert np.abs(ours - base).max() > 1e-2                          # the adapters change the output
   path = tmp_path / lora_export.WEIGHTS_NAME
-  n = lora_export.save_adapters(str(path), trainable, SPEC, _config().num_blocks)
+  n = lora_export.save_adapters(str(path), trainable, SPEC, cosmos_family.dit_exporter(_config().num_blocks))
   assert n == 2 * (8 + 1)                                          # 2 blocks x (8 attention + layer1)
   with safetensors.safe_open(str(path), 'np') as f:
     meta = json.loads(f.metadata()['lora_adapter_metadata'])
@@ -86,7 +87,7 @@ def test_merged_weights_load_into_diffusers(adapted, torch_model, tmp_path, monk
   x, t, ctx, cond, pad = _inputs(4)
   ours = np.asarray(model(*map(jnp.asarray, (x, t, ctx, cond, pad))))
   path = tmp_path / lora_export.MERGED_NAME
-  lora_export.save_merged(str(path), nnx.state(model), SPEC, _config().num_blocks)
+  lora_export.save_merged(str(path), nnx.state(model), SPEC, cosmos_family.dit_exporter(_config().num_blocks))
   from safetensors.torch import load_file  # pylint: disable=g-import-not-at-top
   merged = copy.deepcopy(torch_model)
   merged.load_state_dict(load_file(str(path)), strict=True)

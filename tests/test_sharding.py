@@ -20,7 +20,7 @@ from ddrl_jax import config as config_lib
 from ddrl_jax import optim
 from ddrl_jax import parallel
 from ddrl_jax import trainer as trainer_lib
-from ddrl_jax.models import cosmos_dit
+from ddrl_jax.models.cosmos import dit as cosmos_dit
 from ddrl_jax.parallel import rules as rules_lib
 from ddrl_jax.rl import algorithms
 from ddrl_jax.tasks import video

@@ -36,6 +36,8 @@ from ddrl_jax.data import records as records_lib
 class PixelTask:
   """Stand-in task without a model: records hold the fitted uint8 pixels and no text embedding."""
 
+  capabilities = frozenset({'media'})
+
   def __init__(self, height, width, frames=1):
     if min(height, width, frames) < 1:
       raise ValueError(f'pixel records need height, width, frames >= 1, got {height}, {width}, {frames}')
@@ -154,9 +156,8 @@ def prepare(source, out, task, *, manifest=None, records_per_shard=1000, batch=8
   Returns {'num_records', 'num_skipped', 'skipped' (messages), 'ignored' (non-media files),
     'shards' (paths), 'sample_shape'}.
   """
-  if not all(hasattr(task, a) for a in ('media_shape', 'encode_samples', 'encode_prompts')):
-    raise ValueError(f'task {type(task).__name__} has no media_shape / encode_samples / '
-                     'encode_prompts, so it cannot encode media (e.g. config.task=video can)')
+  from ddrl_jax.tasks import base as tasks_base  # pylint: disable=g-import-not-at-top
+  tasks_base.require(task, 'media')   # media_shape, encode_samples, encode_prompts (e.g. task=video)
   if text not in ('task', 'none'):
     raise ValueError(f"text={text!r}: expected 'task' or 'none'")
   if batch < 1:

@@ -48,15 +48,14 @@ def synthesize(config, out, *, workdir=None, prompts=None, per_prompt=1, batch=6
     step = trainer.restore_or_init(read_only=True)
   sampler = trainer.sampler if stochastic else trainer.sampler.deterministic()
   sample_fn = trainer_lib.make_sample_fn(sampler, trainer.apply_fn, trainer.task.sample_shape,
-                                         trainer.mesh)
+                                         trainer.mesh, plan=trainer.plan)
   params = trainer.state.ema_params if ema else trainer.state.params
   if params is None:
     raise ValueError('--ema: the checkpoint holds no EMA parameters (config.optim.ema_power_s=None)')
   params = lora_lib.combine(params, trainer.state.frozen)     # the adapted model under LoRA
   task = trainer.task
+  task.require('records')
   prompts = list(prompts or task.prompt_set())
-  if not all(hasattr(task, m) for m in ('conditions_from_prompts', 'record_of')):
-    raise ValueError(f'task {config.task!r} cannot synthesize records')
   dp = parallel.data_parallel_size(trainer.mesh)
   batch = max(dp, batch // dp * dp)
   todo = [p for p in prompts for _ in range(per_prompt)]

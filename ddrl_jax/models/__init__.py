@@ -1,4 +1,5 @@
 """Model definitions (Flax NNX) and PyTorch-checkpoint converters.
 
-Import the submodules directly, e.g. `from ddrl_jax.models import cosmos_dit, cosmos_convert`.
+Families live in subpackages (`models.cosmos`, `models.wan`) and register in `models.family`; shared layers
+are `models.layers`, adapters `models.lora`. Import submodules directly, e.g. `from ddrl_jax.models.cosmos import dit`.
 """

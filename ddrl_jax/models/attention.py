@@ -15,8 +15,10 @@ Sequences shorter than `min_flash_len` always take 'xla' (maxdiffusion's flash_m
 
 Context parallelism (Ulysses / ring) over these kernels lives in `ddrl_jax.parallel.context`.
 """
+import contextlib
 import dataclasses
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -69,9 +71,29 @@ def resolve(config_kernel, platform):
   return config_kernel
 
 
+_target = threading.local()
+
+
+@contextlib.contextmanager
+def target_platform(platform):
+  """Resolves '' / 'auto' kernels for `platform` instead of this process's backend while tracing (an
+  ahead-of-time compile for a TPU slice on a CPU host picks the kernel a run on the slice would)."""
+  old = getattr(_target, 'platform', None)
+  _target.platform = platform
+  try:
+    yield
+  finally:
+    _target.platform = old
+
+
+def current_platform():
+  """The platform '' / 'auto' kernels resolve for: `target_platform`'s, else jax.default_backend()."""
+  return getattr(_target, 'platform', None) or jax.default_backend()
+
+
 def _kernel_for(q, k, cfg):
   """The kernel `attend` runs for these shapes: cfg's (resolved), or 'xla' for short sequences."""
-  kernel = resolve(cfg.kernel, jax.default_backend())
+  kernel = resolve(cfg.kernel, current_platform())
   if min(q.shape[1], k.shape[1]) < cfg.min_flash_len:
     return 'xla'
   return kernel

@@ -1,4 +1,4 @@
-"""Command line: PyTorch / diffusers checkpoints -> orbax checkpoints of `CosmosDiT` / `WanVAE` params.
+"""Command line: PyTorch / diffusers checkpoints -> orbax checkpoints of a model family's params.
 
   python -m ddrl_jax.models.convert --source=PATH --model=cosmos2b|cosmos14b|cosmos_tiny|wan21_vae|wan_tiny \
       --out=DIR [--dtype=float32|bfloat16]
@@ -10,6 +10,7 @@ Sources:
 - a diffusers folder (`config.json` + `*.safetensors`, optionally sharded through
   `diffusion_pytorch_model.safetensors.index.json`), or a pipeline folder holding `transformer/` / `vae/`.
 
+The model names and their converters come from the families (`models.family.converters()`).
 Naming is detected from the keys:
 - Cosmos: `net.`-prefixed (original Cosmos-Predict2.5 `.pt`) -> `convert_cosmos_state_dict`, else diffusers
   `CosmosTransformer3DModel` names -> `convert_diffusers_state_dict`.
@@ -35,35 +36,23 @@ import numpy as np
 
 from ddrl_jax import cli
 
-MODELS = ('cosmos2b', 'cosmos14b', 'cosmos_tiny', 'wan21_vae', 'wan_tiny')
 DTYPES = ('float32', 'bfloat16')
 
 
 # ------------------------------------------------------------------------------------------ configs
-def model_family(model):
-  if model not in MODELS:
-    raise ValueError(f'unknown --model {model!r}; choose one of {MODELS}')
-  return 'wan' if model.startswith('wan') else 'cosmos'
+def _converter(model):
+  """The family converter of a CLI model name (models.family.converters())."""
+  from ddrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
+  table = family_lib.converters()
+  if model not in table:
+    raise ValueError(f'unknown --model {model!r}; choose one of {tuple(table)}')
+  return table[model]
 
 
 def model_config(model, dtype='float32'):
   """The model config for a CLI model name; params are held in `dtype`."""
   import jax.numpy as jnp
-  from ddrl_jax.models import cosmos_dit, wan_vae
-  param_dtype = jnp.dtype(dtype)
-  makers = {'cosmos2b': cosmos_dit.cosmos2b, 'cosmos14b': cosmos_dit.cosmos14b,
-            'cosmos_tiny': cosmos_dit.tiny, 'wan21_vae': wan_vae.wan21, 'wan_tiny': wan_vae.tiny}
-  if model not in makers:
-    model_family(model)  # raises the readable error
-  return makers[model](param_dtype=param_dtype)
-
-
-def _converters(model):
-  if model_family(model) == 'wan':
-    from ddrl_jax.models import wan_vae_convert as m
-  else:
-    from ddrl_jax.models import cosmos_convert as m
-  return m
+  return _converter(model).make_config(jnp.dtype(dtype))
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -145,18 +134,18 @@ def load_safetensors_file(path, into=None):
   return out
 
 
-def _diffusers_dir(path, family):
-  """The folder holding the weights: `path`, or its `transformer/` (cosmos) / `vae/` (wan) subfolder."""
+def _diffusers_dir(path, subfolder):
+  """The folder holding the weights: `path`, or its `subfolder` (a pipeline's `transformer/`, `vae/`)."""
   if glob.glob(os.path.join(path, '*.safetensors')):
     return path
-  sub = os.path.join(path, 'vae' if family == 'wan' else 'transformer')
+  sub = os.path.join(path, subfolder)
   if os.path.isdir(sub) and glob.glob(os.path.join(sub, '*.safetensors')):
     return sub
   raise ValueError(f'{path}: no *.safetensors in the folder (nor in {os.path.basename(sub)}/)')
 
 
-def load_diffusers_dir(path, family):
-  d = _diffusers_dir(path, family)
+def load_diffusers_dir(path, subfolder='transformer'):
+  d = _diffusers_dir(path, subfolder)
   index = os.path.join(d, 'diffusion_pytorch_model.safetensors.index.json')
   if os.path.exists(index):
     with open(index) as f:
@@ -171,12 +160,12 @@ def load_diffusers_dir(path, family):
   return out
 
 
-def load_source(path, family='cosmos'):
+def load_source(path, subfolder='transformer'):
   """{name: numpy (floats as float32)} from a .pt/.pth, a .safetensors or a diffusers folder."""
   if not os.path.exists(path):
     raise ValueError(f'{path}: no such file or folder')
   if os.path.isdir(path):
-    return load_diffusers_dir(path, family)
+    return load_diffusers_dir(path, subfolder)
   if path.endswith('.safetensors'):
     return load_safetensors_file(path)
   if path.endswith(('.pt', '.pth', '.bin', '.ckpt')):
@@ -252,24 +241,13 @@ def wan_original_to_diffusers(state_dict, config):
 # ------------------------------------------------------------------------------------------ convert
 def convert_state_dict(state_dict, model, dtype='float32'):
   """{name: numpy} -> (nnx.State of Params, naming) for a CLI model name."""
-  config = model_config(model, dtype)
-  conv = _converters(model)
-  if model_family(model) == 'wan':
-    if is_wan_original(state_dict):
-      return conv.convert_diffusers_vae_state_dict(wan_original_to_diffusers(state_dict, config),
-                                                   config), 'wan_original'
-    return conv.convert_diffusers_vae_state_dict(state_dict, config), 'diffusers'
-  if any(k.startswith('net.') for k in state_dict):
-    return conv.convert_cosmos_state_dict(state_dict, config), 'cosmos_original'
-  return conv.convert_diffusers_state_dict(state_dict, config), 'diffusers'
+  return _converter(model).convert(state_dict, model_config(model, dtype))
 
 
 def _abstract_pure(model, dtype):
   import jax
   from flax import nnx
-  config = model_config(model, dtype)
-  abstract, _ = _converters(model).abstract_params(config)
-  state = nnx.state(abstract, nnx.Param)
+  state = nnx.state(_converter(model).abstract(model_config(model, dtype)), nnx.Param)
   pure = nnx.to_pure_dict(state)
   pure = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pure)
   return state, pure
@@ -282,10 +260,10 @@ def convert(source, model, out, dtype='float32'):
   from flax import nnx
   if dtype not in DTYPES:
     raise ValueError(f'--dtype must be one of {DTYPES}, got {dtype!r}')
-  family = model_family(model)
+  subfolder = _converter(model).subfolder
   source = os.path.abspath(source)
   try:
-    sd = load_source(source, family)
+    sd = load_source(source, subfolder)
     num_tensors = len(sd)
     state, naming = convert_state_dict(sd, model, dtype)
   except ValueError as e:
@@ -327,6 +305,30 @@ def load_converted(out_dir, model=None, dtype=None):
   return state
 
 
+def load_converted_like(ckpt_dir, want, key):
+  """`convert` output as a host pure dict cast to the dtypes of `want` (the configured model's pure dict
+  of arrays or ShapeDtypeStructs). Raises ValueError naming the config `key` when the shapes differ
+  (e.g. a cosmos14b checkpoint for a cosmos2b config)."""
+  import jax
+  from flax import nnx
+  loaded = load_converted(ckpt_dir)
+  if isinstance(loaded, nnx.State):
+    loaded = nnx.to_pure_dict(loaded)
+  shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)
+  if shapes(want) != shapes(loaded):
+    raise ValueError(f'{key}={ckpt_dir!r}: converted parameters do not match the configured model '
+                     f'(first differences: {_first_differences(shapes(want), shapes(loaded))})')
+  return jax.tree.map(lambda a, v: np.asarray(a, v.dtype), loaded, want)
+
+
+def _first_differences(want, got, limit=5):
+  import jax
+  flat = lambda t: {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+  w, g = flat(want), flat(got)
+  diffs = [f'{k}: {w.get(k)} vs {g.get(k)}' for k in sorted(set(w) | set(g)) if w.get(k) != g.get(k)]
+  return '; '.join(diffs[:limit]) + (f' (+{len(diffs) - limit} more)' if len(diffs) > limit else '')
+
+
 # ------------------------------------------------------------------------------------------ CLI
 class _ArgumentParser(argparse.ArgumentParser):
   """argparse answering a mistake in one line (ddrl_jax.cli's form) instead of usage + error."""
@@ -340,7 +342,8 @@ def main(argv=None):
                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
   p.add_argument('--traceback', action='store_true', help='show the full traceback of an error')
   p.add_argument('--source', required=True, help='.pt/.pth, .safetensors or diffusers folder')
-  p.add_argument('--model', required=True, choices=MODELS)
+  from ddrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
+  p.add_argument('--model', required=True, choices=tuple(family_lib.converters()))
   p.add_argument('--out', required=True, help='output folder (orbax params/ + conversion.json)')
   p.add_argument('--dtype', default='float32', choices=DTYPES)
   args = p.parse_args(argv)

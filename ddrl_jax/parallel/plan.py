@@ -32,23 +32,34 @@ class ShardingPlan:
   rules: resolved {logical name: mesh axes tuple}.
   context_impl: self-attention over a context-sharded sequence: 'none' (GSPMD), 'ulysses' or 'ring'.
   max_replicated_fraction: the `assert_sufficiently_sharded` tolerance on meshes that shard parameters.
+  sequence_names: the activation names of the token sequence (`tokens_mergeable`).
   """
   mesh: Any
   rules: dict
   context_impl: str = 'none'
   max_replicated_fraction: float = 0.02
+  sequence_names: tuple = rules_lib.SEQUENCE_NAMES
 
   @classmethod
-  def from_config(cls, config, mesh):
-    """The plan of `config.sharding` on `mesh` (default rules where the config has no sharding section)."""
+  def from_config(cls, config, mesh, model_rules=None, sequence_names=()):
+    """The plan of `config.sharding` on `mesh`: the shared default rules, then the model family's
+    `model_rules` (its `logical_rules()`), then config.sharding.rules over both; `sequence_names` adds the
+    family's sequence activation names to 'act_seq'."""
     s = config.get('sharding') or {}
     rules = dict(rules_lib.DEFAULT_RULES)
+    rules.update(dict(model_rules or {}))
     rules.update(dict(s.get('rules') or {}))
     impl = s.get('context_impl', 'none')
     if impl not in CONTEXT_IMPLS:
       raise ValueError(f'config.sharding.context_impl={impl!r}; known: {CONTEXT_IMPLS}')
     return cls(mesh=mesh, rules=rules_lib.resolve_rules(rules, s.get('fsdp_axes', 'fsdp'), mesh.axis_names),
-               context_impl=impl, max_replicated_fraction=float(s.get('max_replicated_fraction', 0.02)))
+               context_impl=impl, max_replicated_fraction=float(s.get('max_replicated_fraction', 0.02)),
+               sequence_names=tuple(dict.fromkeys(rules_lib.SEQUENCE_NAMES + tuple(sequence_names))))
+
+  @classmethod
+  def for_model(cls, config, mesh, family):
+    """`from_config` with a model family's rules and sequence names (models.family.ModelFamily)."""
+    return cls.from_config(config, mesh, family.logical_rules(), family.sequence_names())
 
   @property
   def axis_sizes(self):
@@ -140,14 +151,14 @@ def current():
 def tokens_mergeable():
   """Whether activations (B, ..., D) may be reshaped to (B*..., D) for free under the active plan.
 
-  True without a plan, or when no mesh axis > 1 splits the token axes ('act_frames', 'act_seq'): the
+  True without a plan, or when no mesh axis > 1 splits the token axes (the plan's `sequence_names`): the
   batch alone is split, and a device's rows stay one contiguous block. Under context parallelism each
   device holds a slice of every sample's tokens, which no sharding of the merged axis describes (XLA
   would reshard around each layer), so models keep the token axes there."""
   plan = current()
   if plan is None:
     return True
-  return not any(plan.axis_sizes.get(a, 1) > 1 for name in ('act_frames', 'act_seq')
+  return not any(plan.axis_sizes.get(a, 1) > 1 for name in plan.sequence_names
                  for a in plan.rules.get(name) or ())
 
 

@@ -25,27 +25,27 @@ from jax.sharding import PartitionSpec as P
 
 logger = logging.getLogger(__name__)
 
-# Cosmos DiT names (models/cosmos_dit.py) -> mesh axes. Parameters are FSDP-sharded on their model-width
-# dimension and replicated over data (HSDP, as cosmos-rl); activations split the batch over (data, fsdp)
-# and the token sequence (latent frames first) over context.
+# The shared vocabulary of logical names -> mesh axes. Every model family names its axes with these (and
+# adds its own through its `logical_rules()`, merged into config.sharding.rules by its configs and under
+# them by `ShardingPlan.from_config`). Parameters are FSDP-sharded on their model-width dimension and
+# replicated over data (HSDP, as cosmos-rl); activations split the batch over (data, fsdp) and the token
+# sequence over context.
 DEFAULT_RULES = {
     'layers': '',              # the stacked-blocks axis (scanned over: never sharded)
     'embed': 'fsdp',           # model width D
-    'crossattn_in': 'fsdp',    # raw text-embedding width (100352)
-    'cross_embed': 'fsdp',     # context width after the projection (1024)
+    'cross_embed': 'fsdp',     # width of the conditioning context (text) the attention reads
     'heads': 'tensor',         # N * Hd of q/k/v/o
     'mlp': 'tensor',           # MLP hidden (4D)
     'kv': '',                  # per-head q/k RMSNorm scales (Hd)
-    'adaln': '',               # adaLN-LoRA rank (256)
     'act_batch': 'data,fsdp',  # rollout slots / samples
-    'act_frames': 'context',   # latent frames T' of (B, T', H'W', D) residuals
-    'act_seq': 'context',      # tokens S = T' H' W' (frame-major, so contiguous frames)
+    'act_seq': 'context',      # tokens S (frame-major for video, so contiguous frames)
     'act_heads': 'tensor',
     'act_embed': '',
     'act_mlp': 'tensor',
     'act_kv': '',              # head dim
     'act_text': '',            # the L context tokens of cross-attention
 }
+SEQUENCE_NAMES = ('act_seq',)  # activation names of the token sequence (context parallelism splits them)
 
 
 def is_activation_rule(name):

@@ -1,15 +1,27 @@
 """Self-contained experiments that plug into the generic trainer through `config.task`.
 
-A task provides the model, conditions, paired data, reward and evaluation; see `toy2d.Toy2D` for the
-interface. The library core (sampling, rl) never imports a task; the trainer finds one by name.
+A task provides conditions, paired data, reward and evaluation, and holds its model family
+(`ddrl_jax.models.family`); `base.Task` is the interface, `base.FamilyTask` the base class. The library
+core (sampling, rl) never imports a task; the trainer finds one by name.
 """
 import importlib
 
 
-def get_task(config):
-  """Instantiates `ddrl_jax.tasks.<config.task>.TASK(config)`."""
+def task_class(config):
+  """The class `ddrl_jax.tasks.<config.task>.TASK`."""
   try:
     module = importlib.import_module(f'ddrl_jax.tasks.{config.task}')
   except ModuleNotFoundError as e:
     raise ValueError(f'config.task={config.task!r}: no module ddrl_jax.tasks.{config.task}') from e
-  return module.TASK(config)
+  return module.TASK
+
+
+def get_task(config):
+  """Instantiates `ddrl_jax.tasks.<config.task>.TASK(config)`."""
+  return task_class(config)(config)
+
+
+def get_family(config):
+  """The run's model family (config.model_family, or the task's default), without building the task."""
+  from ddrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
+  return family_lib.from_config(config, default=task_class(config).DEFAULT_FAMILY)

@@ -1,75 +1,28 @@
 """OCR text rendering: a small text-to-image Cosmos DiT post-trained with the real OCR reward.
 
 Images are 32 x 96 RGB renders of 3-5 character strings (tasks/text_render.py), modelled in pixel space
-as (3, 32, 96) in [-1, 1] by `models.cosmos_t2i.CosmosT2I`, conditioned on the string's bytes.
+as (3, 32, 96) in [-1, 1] by `models.cosmos.t2i.CosmosT2I`, conditioned on the string's bytes.
 
 Conditions: (B, text_length) int32 byte ids of the target string; its prompt (for the reward) is
 'a sign that says "<string>"', recovered from the ids. Training strings and held-out strings are
 disjoint (text_render.split_of); `conditions` draws training strings, `eval_conditions` held-out ones.
 Data: each condition's string rendered again with a fresh random style (real data), or records
 (config.data.path; e.g. samples of the base model written by ddrl_jax.data.synthesize).
-Base model: `init_model` loads config.ocr.base_checkpoint (written by ddrl_jax.pretrain) when it exists,
+Base model: the family loads config.ocr.base_checkpoint (written by ddrl_jax.pretrain) when it exists,
 else starts from random weights.
 """
 import os
 
-import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddrl_jax import params_io
-from ddrl_jax.models import cosmos_dit
-from ddrl_jax.models import lora as lora_lib
-from ddrl_jax.models import cosmos_t2i
 from ddrl_jax.models import text as text_lib
 from ddrl_jax.rewards import ocr as ocr_reward
+from ddrl_jax.tasks import base
 from ddrl_jax.tasks import text_render
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def model_config(c):
-  """T2IConfig from config.ocr."""
-  dit = cosmos_dit.CosmosDiTConfig(
-      in_channels=3, model_channels=c.width, num_blocks=c.depth, num_heads=c.heads,
-      mlp_ratio=c.mlp_ratio, adaln_lora_dim=c.adaln_lora_dim, patch=(1, c.patch, c.patch),
-      crossattn_in=c.text_dim, context_dim=c.width, rope_h_ratio=1.0, rope_w_ratio=1.0,
-      rope_t_ratio=1.0, remat_policy='none',
-      # Learned absolute positions: character k is drawn in cell k, which a query can only find by its
-      # absolute column (RoPE makes self-attention relative). Without them the text was ignored for
-      # thousands of steps (benchmarks/RESULTS.md).
-      extra_pos_embed=True, extra_pos_max_size=(1, text_render.HEIGHT // c.patch, text_render.WIDTH // c.patch),
-      # Sinusoids of 1000 t (DiT's scale): at Cosmos' scale of t in [0, 1] the embedding's fastest
-      # frequency is 1 radian per unit t, too coarse for a small model to tell t = 0.05 from 0.1.
-      timestep_scale=1000.0)
-  return cosmos_t2i.T2IConfig(dit=dit, text_length=c.text_length)
-
-
-def make_apply_fn(graphdef, min_t, guidance=1.0):
-  """apply_fn(params, x_t (B, 3, H, W), t (B,), ids (B, L)) -> velocity.
-
-  The network predicts the clean image x0_hat (x-prediction) and the velocity is
-  v = (x_t - x0_hat) / max(t, min_t). In pixel space an 8 x 8 x 3 patch has 192 values but the model
-  is 128 wide: it cannot pass per-pixel noise through, which predicting v = noise - x0 directly
-  needs at large t (its samples stayed noisy), while the clean image lies on a low-dimensional
-  manifold that it can represent ("let denoising models denoise", Li & He 2025).
-  guidance != 1: classifier-free guidance, x0_hat = x0_null + guidance (x0_cond - x0_null), with the
-  null condition (all byte ids 0) the model learned through condition dropout; one forward of 2B.
-  """
-  def apply_fn(params, x_t, t, cond):
-    params = jax.tree.map(lambda a: a, params)     # NNX Variables at this trace level (see video.py)
-    model = nnx.merge(graphdef, params)
-    if guidance == 1.0:
-      x0_hat = model(x_t, t, cond)
-    else:
-      both = model(jnp.concatenate([x_t, x_t]), jnp.concatenate([jnp.reshape(t, (-1,))] * 2),
-                   jnp.concatenate([cond, jnp.zeros_like(cond)]))
-      x0_cond, x0_null = jnp.split(both, 2)
-      x0_hat = x0_null + guidance * (x0_cond - x0_null)
-    tb = jnp.maximum(jnp.reshape(t, (-1,) + (1,) * (x_t.ndim - 1)), min_t)
-    return (x_t - x0_hat) / tb
-  return apply_fn
 
 
 def to_pixels(images_u8):
@@ -85,67 +38,18 @@ def to_uint8(samples):
   return np.transpose(u8, (0, 2, 3, 1)), finite
 
 
-def resolve(path):
-  """A config path, relative paths taken from the repository root (where the README's commands run)."""
-  return path if not path or os.path.isabs(path) else os.path.join(REPO_ROOT, path)
+class OCRTask(base.FamilyTask):
+  """The task for the trainer (see the module docstring). The model is the 'cosmos_t2i' family
+  (models/cosmos/family.py), its base the checkpoint config.ocr.base_checkpoint."""
 
-
-class OCRTask:
-  """The task for the trainer (see the module docstring)."""
-
+  DEFAULT_FAMILY = 'cosmos_t2i'
+  capabilities = frozenset({'records', 'pretrain'})
   sample_shape = (3, text_render.HEIGHT, text_render.WIDTH)
 
   def __init__(self, config):
-    self.config = config
-    self.lora = lora_lib.from_config(config)
+    super().__init__(config)
     self.c = config.ocr
-    self.model_cfg = model_config(self.c)
-
-  # ----------------------------------------------------------------------------------- model
-  def _build(self, key, adapters=True):
-    """The model of `key`; with config.lora's adapters (their own key) unless adapters=False."""
-    model = cosmos_t2i.CosmosT2I(self.model_cfg, rngs=nnx.Rngs(key))
-    if adapters:
-      lora_lib.attach(model, self.lora, lora_lib.adapter_key(key))
-    return model
-
-  def init_model(self, key):
-    """(apply_fn, params): the base checkpoint config.ocr.base_checkpoint; random weights when it is ''
-    (or missing and config.ocr.require_base is False); config.lora's adapters added to it."""
-    _, params = self.init_untrained(key)
-    path = resolve(self.c.base_checkpoint)
-    if path and os.path.exists(path):
-      params = params_io.load_params(path, params, 'config.ocr.base_checkpoint')
-    elif path and self.c.require_base:
-      raise FileNotFoundError(f'config.ocr.base_checkpoint={self.c.base_checkpoint!r} does not exist; '
-                              f'train it with python -m ddrl_jax.pretrain --config=configs/ocr_tiny.py')
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: self._build(key, adapters=False)))
-    model = nnx.merge(graphdef, params)
-    lora_lib.attach(model, self.lora, lora_lib.adapter_key(key))
-    graphdef, params = nnx.split(model)
-    return make_apply_fn(graphdef, self.c.min_t, self.c.guidance), params
-
-  @property
-  def compute_dtype(self):
-    return jnp.dtype(self.model_cfg.dit.dtype).name
-
-  def forward_flops_per_sample(self):
-    """Model FLOPs of one apply_fn call on one (3, H, W) image: the DiT on one frame of H x W pixels with
-    text_length byte tokens (`cosmos_dit.forward_flops`), twice with classifier-free guidance (one
-    forward of 2B); the byte embedding is a lookup."""
-    _, h, w = self.sample_shape
-    _, parts = cosmos_dit.forward_flops(self.model_cfg.dit, latent=(1, h, w),
-                                        text_tokens=self.c.text_length)
-    return float(sum(parts.values())) * (1 if self.c.guidance == 1.0 else 2)
-
-  def init_untrained(self, key):
-    """(apply_fn, random params) without adapters: what ddrl_jax.pretrain starts from."""
-    graphdef, params = nnx.split(self._build(key, adapters=False))
-    return make_apply_fn(graphdef, self.c.min_t, self.c.guidance), params
-
-  def abstract_params(self, key):
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: self._build(key)))
-    return make_apply_fn(graphdef, self.c.min_t, self.c.guidance), params
+    self._readers = None         # (Tesseract, RapidOCR), built at the first evaluation
 
   # ------------------------------------------------------------------------------ conditions
   def ids_of(self, texts):
@@ -198,7 +102,7 @@ class OCRTask:
     if cond is None:
       return dict(finite_fraction=float(finite.mean()))
     kwargs = self.config.reward.kwargs
-    readers = getattr(self, '_readers', None) or (
+    readers = self._readers or (
         ocr_reward.OCRReward(**dict(kwargs.get('ocr', {}))),
         ocr_reward.RapidOCRReward(**dict(kwargs.get('ocr_rapid', {}))))
     self._readers = readers

@@ -6,13 +6,14 @@ Data: p_data = sum_k pi_k N(mu_k, s^2 I). Reward: r(x) = w . x. Then
 so the tilt reweights the components and shifts each by s^2 w / beta.
 """
 
-import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ddrl_jax import parallel
 from ddrl_jax.rl import diffusion_loss
+from ddrl_jax.tasks import base
 
 
 # ---------------------------------------------------------------------------------------------- math
@@ -62,44 +63,7 @@ def off_manifold_fraction(x, means, std, num_std=3.0):
   return (dist.min(axis=1) > num_std * std).mean()
 
 
-# --------------------------------------------------------------------------------------------- model
-def timestep_embedding(t, dim):
-  """Sinusoidal embedding of t in [0, 1]: (batch,) -> (batch, dim)."""
-  half = dim // 2
-  freqs = jnp.exp(-np.log(1000.0) * jnp.arange(half) / half)
-  args = 100.0 * t[:, None] * freqs[None]
-  return jnp.concatenate([jnp.sin(args), jnp.cos(args)], axis=-1)
-
-
-class VelocityMLP(nnx.Module):
-  """v_theta(x_t, t, c) for 2-D data: [x, emb(t), c] -> width -> ... -> 2 (SiLU)."""
-
-  def __init__(self, *, width=256, depth=3, t_dim=32, cond_dim=1, rngs: nnx.Rngs):
-    self.t_dim = t_dim
-    dims = [2 + t_dim + cond_dim] + [width] * depth
-    self.hidden = nnx.List([nnx.Linear(i, o, rngs=rngs) for i, o in zip(dims[:-1], dims[1:])])
-    self.out = nnx.Linear(width, 2, kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
-
-  def __call__(self, x, t, cond):
-    h = jnp.concatenate([x, timestep_embedding(t, self.t_dim), cond], axis=-1)
-    for layer in self.hidden:
-      h = jax.nn.silu(layer(h))
-    return self.out(h)
-
-
-def mlp_forward_flops(width, depth, t_dim=32, cond_dim=1):
-  """Matmul FLOPs (2 per multiply-accumulate) of one `VelocityMLP` forward of one sample."""
-  dims = [2 + t_dim + cond_dim] + [width] * depth + [2]
-  return 2.0 * sum(i * o for i, o in zip(dims[:-1], dims[1:]))
-
-
-def make_apply_fn(graphdef):
-  """apply_fn(params, x_t, t, cond) for an NNX graphdef (params = its nnx.State)."""
-  def apply_fn(params, x_t, t, cond):
-    return nnx.merge(graphdef, params)(x_t, t, cond)
-  return apply_fn
-
-
+# ------------------------------------------------------------------------------------------ pretrain
 def pretrain(apply_fn, params, sample_data, *, steps, batch_size, learning_rate, key):
   """Trains the base model on data with the diffusion loss only (the library's `velocity_loss`).
 
@@ -131,18 +95,20 @@ def pretrain(apply_fn, params, sample_data, *, steps, batch_size, learning_rate,
 
 
 # ---------------------------------------------------------------------------------------------- task
-class Toy2D:
-  """The toy task for the trainer. Conditions are a dummy zero vector (the mixture is unconditional)."""
+class Toy2D(base.FamilyTask):
+  """The toy task for the trainer. Conditions are a dummy zero vector (the mixture is unconditional).
+  The model is the 'mlp' family (models/mlp.py), pretrained on the mixture when it is built."""
 
+  DEFAULT_FAMILY = 'mlp'
+  capabilities = frozenset({'records'})
   sample_shape = (2,)
-  compute_dtype = 'float32'
   # Its metrics (sliced Wasserstein distances) need every sample at once: a multi-process evaluation
   # gathers the (cheap, 2-D) samples instead of averaging per-process metrics.
   eval_needs_all_samples = True
 
   def __init__(self, config):
+    super().__init__(config)
     t = config.toy2d
-    self.config = config
     self.means = np.asarray(t.means, np.float32)
     self.std = float(t.std)
     self.weights = np.asarray(t.weights, np.float32) / np.sum(t.weights)
@@ -161,26 +127,17 @@ class Toy2D:
   def init_model(self, key):
     """(apply_fn, pretrained params). Pretraining is deterministic in the key and takes seconds."""
     t = self.config.toy2d
-    model = VelocityMLP(width=t.width, depth=t.depth, rngs=nnx.Rngs(key))
-    graphdef, params = nnx.split(model)
-    apply_fn = make_apply_fn(graphdef)
+    apply_fn, params = self.init_untrained(key)
     params, loss = pretrain(apply_fn, params, self.sample_data_n, steps=t.pretrain_steps,
                             batch_size=t.pretrain_batch, learning_rate=t.pretrain_lr,
                             key=jax.random.fold_in(key, 1))
     self.pretrain_loss = loss
     return apply_fn, params
 
-  def abstract_params(self, key):
-    """Shapes of the params (for checkpoint restore) without pretraining."""
-    t = self.config.toy2d
-    model = nnx.eval_shape(lambda: VelocityMLP(width=t.width, depth=t.depth, rngs=nnx.Rngs(key)))
-    graphdef, params = nnx.split(model)
-    return make_apply_fn(graphdef), params
-
-  def forward_flops_per_sample(self):
-    """Model FLOPs of one apply_fn call on one sample (`mlp_forward_flops`)."""
-    t = self.config.toy2d
-    return mlp_forward_flops(t.width, t.depth)
+  def init_params_sharded(self, key, shardings):
+    """The pretrained params (small) placed on `shardings` from host memory."""
+    _, params = self.init_model(key)
+    return parallel.place(params, shardings)
 
   def conditions(self, key, batch):
     del key

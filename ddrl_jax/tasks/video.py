@@ -1,9 +1,10 @@
 """Text-to-video and image-to-video DDRL with the Cosmos-Predict2.5 DiT as the policy.
 
-The policy is `models.cosmos_dit.CosmosDiT` on normalized Wan2.1 latents (16, T, H, W). The trainer's
-generic sampler calls ``apply_fn(params, x_t, t, cond)`` with the flow state x_t = (1 - t) x0 + t eps
-and expects the velocity eps - x0; this module wraps the DiT into that interface and adds cosmos'
-frame-replace image-to-video conditioning (cosmos_predict25_architecture.md section 1.4).
+The policy is `models.cosmos.dit.CosmosDiT` (the 'cosmos' family) on normalized Wan2.1 latents
+(16, T, H, W). The trainer's generic sampler calls ``apply_fn(params, x_t, t, cond)`` with the flow state
+x_t = (1 - t) x0 + t eps and expects the velocity eps - x0; the family's adapter
+(`models.cosmos.family.make_video_apply_fn`) wraps the DiT into that interface with cosmos' frame-replace
+image-to-video conditioning (cosmos_predict25_architecture.md section 1.4), derived below.
 
 Conditions (a dict of (B, ...) arrays, sharded on B by the trainer):
   text:        (B, L, C) context embeddings (C = crossattn_in of the DiT, or context_dim without it).
@@ -50,14 +51,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddrl_jax import parallel
-from ddrl_jax.parallel import hosts
-from ddrl_jax.models import attention as attention_lib
-from ddrl_jax.models import cosmos_dit
-from ddrl_jax.models import lora as lora_lib
+from ddrl_jax.models import convert
 from ddrl_jax.models import text as text_lib
-from ddrl_jax.models import wan_vae
+from ddrl_jax.models.wan import vae as wan_vae
+from ddrl_jax.parallel import hosts
 from ddrl_jax.rewards import basic as basic_rewards
+from ddrl_jax.tasks import base
 
 # (prompt, RGB in [0, 1], direction (dy, dx) in pixels per frame per unit speed).
 PROMPTS = (
@@ -71,62 +70,19 @@ PROMPTS = (
     ('an orange square moving right slowly', (1.0, 0.55, 0.1), (0, 0.5)),
 )
 
-DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-
-
-def dit_config(c):
-  """CosmosDiTConfig from config.cosmos: preset ('cosmos2b', 'cosmos14b', 'tiny') + overrides."""
-  presets = {'cosmos2b': cosmos_dit.cosmos2b, 'cosmos14b': cosmos_dit.cosmos14b,
-             'tiny': cosmos_dit.tiny}
-  kw = dict(c.dit_overrides) if c.get('dit_overrides') else {}
-  kw.update(dtype=DTYPES[c.dtype], param_dtype=DTYPES[c.param_dtype], remat_policy=c.remat_policy)
-  if c.get('attention') is not None:
-    kw['attention'] = attention_lib.AttentionConfig(**dict(c.attention))
-  return presets[c.model](**kw)
-
-
 def vae_config(c):
   presets = {'wan21': wan_vae.wan21, 'tiny': wan_vae.tiny}
   kw = dict(c.vae_overrides) if c.get('vae_overrides') else {}
   return presets[c.vae](**kw)
 
 
-def _load_converted(ckpt_dir, want, key):
-  """`python -m ddrl_jax.models.convert` output as a host pure dict, cast to the dtypes of `want` (the
-  configured model's pure dict of arrays or ShapeDtypeStructs). Raises ValueError naming the config key
-  when the shapes differ (e.g. a cosmos14b checkpoint for a cosmos2b config)."""
-  from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
-  loaded = convert.load_converted(ckpt_dir)
-  if isinstance(loaded, nnx.State):
-    loaded = nnx.to_pure_dict(loaded)
-  shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)
-  if shapes(want) != shapes(loaded):
-    raise ValueError(f'{key}={ckpt_dir!r}: converted parameters do not match the configured model '
-                     f'(first differences: {_first_differences(shapes(want), shapes(loaded))})')
-  return jax.tree.map(lambda a, v: np.asarray(a, v.dtype), loaded, want)
-
-
-def place_converted(abstract, shardings, ckpt_dir, key):
-  """Converted parameters placed from host memory on the shardings of the abstract nnx.State `abstract`."""
-  state = jax.tree.map(lambda a: a, abstract)
-  nnx.replace_by_pure_dict(state, _load_converted(ckpt_dir, nnx.to_pure_dict(abstract), key))
-  return parallel.place(state, shardings)
-
-
 def restore_converted(module, ckpt_dir, key):
-  """Loads converted parameters into `module`'s Params (not LoRA adapters), in place (see
-  `_load_converted`)."""
+  """Loads converted parameters (`python -m ddrl_jax.models.convert`) into `module`'s Params (not LoRA
+  adapters), in place; ValueError naming `key` when they do not fit."""
   state = nnx.state(module, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
-  host = _load_converted(ckpt_dir, nnx.to_pure_dict(state), key)
+  host = convert.load_converted_like(ckpt_dir, nnx.to_pure_dict(state), key)
   nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, host))
   nnx.update(module, state)
-
-
-def _first_differences(want, got, limit=5):
-  flat = lambda t: {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(t)[0]}
-  w, g = flat(want), flat(got)
-  diffs = [f'{k}: {w.get(k)} vs {g.get(k)}' for k in sorted(set(w) | set(g)) if w.get(k) != g.get(k)]
-  return '; '.join(diffs[:limit]) + (f' (+{len(diffs) - limit} more)' if len(diffs) > limit else '')
 
 
 def render_square_video(item, frames, height, width):
@@ -150,48 +106,17 @@ def render_square_video(item, frames, height, width):
   return video * 2.0 - 1.0
 
 
-def make_apply_fn(graphdef, cond_timestep):
-  """apply_fn(params, x_t, t, cond) -> velocity for an NNX CosmosDiT graphdef.
+class CosmosVideo(base.FamilyTask):
+  """T2V / I2V video task for the trainer (see the module docstring). The model is the 'cosmos' family
+  (models/cosmos/family.py: the DiT and its frame-replacement velocity adapter)."""
 
-  x_t (B, 16, T, H, W) flow state, t (B,), cond the dict described in the module docstring (a missing
-  'first_frame'/'num_cond' means text-to-video). The conditioned frame's velocity is (x_t - gt) / t.
-  """
-
-  def apply_fn(params, x_t, t, cond):
-    # Rebuild the Variables at the current trace level: the sampler closes over params under jit and
-    # calls this inside vmap, where NNX refuses Variables created at the outer (jit) level.
-    params = jax.tree.map(lambda a: a, params)
-    model = nnx.merge(graphdef, params)
-    b, _, frames, h, w = x_t.shape
-    x_t = x_t.astype(jnp.float32)
-    t = jnp.reshape(t, (b,)).astype(jnp.float32)
-    context = cond['text']
-    first = cond.get('first_frame')
-    if first is None:
-      num_cond = jnp.zeros((b,), jnp.int32)
-      gt = jnp.zeros_like(x_t)
-    else:
-      num_cond = jnp.reshape(cond['num_cond'], (b,)).astype(jnp.int32)
-      gt = jnp.zeros_like(x_t).at[:, :, :first.shape[2]].set(first.astype(jnp.float32))
-    x_in, mask = cosmos_dit.frame_replace(x_t, gt, num_cond)       # mask (B, 1, T, H, W)
-    frame_on = mask[:, 0, :, 0, 0]                                  # (B, T)
-    timesteps = jnp.where(frame_on > 0, jnp.float32(cond_timestep), t[:, None])
-    v = model(x_in, timesteps, context, cond_mask=mask).astype(jnp.float32)
-    tb = t.reshape((b, 1, 1, 1, 1))
-    v_cond = (x_t - gt) / tb
-    return jnp.where(mask > 0, v_cond, v)
-
-  return apply_fn
-
-
-class CosmosVideo:
-  """T2V / I2V video task for the trainer (see the module docstring)."""
+  DEFAULT_FAMILY = 'cosmos'
+  capabilities = frozenset({'records', 'media', 'aot'})
 
   def __init__(self, config):
-    self.config = config
-    self.lora = lora_lib.from_config(config)
+    super().__init__(config)
     c = self.c = config.cosmos
-    self.dit = dit_config(c)
+    self.dit = self.family.dit
     self.vae_cfg = vae_config(c)
     lt, lh, lw = c.latent_shape
     self.sample_shape = (self.dit.in_channels, lt, lh, lw)
@@ -202,65 +127,11 @@ class CosmosVideo:
                        f'{self.dit.in_channels}')
     self.text_dim = self.dit.crossattn_in or self.dit.context_dim
     self._vae = None
-    self.cast_params = None      # set by abstract_params
     self._latents = None
     self._text = None
     self._byte_embed_fn = None
     self.cond_log = []           # host copies of num_cond per conditions() call (T2V/I2V bookkeeping)
     self.i2v_frame0_err = []     # max |x0[frame 0] - gt| over I2V rollouts, per reward() call
-
-  @property
-  def compute_dtype(self):
-    return jnp.dtype(self.dit.dtype).name
-
-  def forward_flops_per_sample(self):
-    """Model FLOPs of one apply_fn call on one (16, T, H, W) latent: one DiT forward with
-    config.cosmos.text_length text tokens (`cosmos_dit.forward_flops`; frame replacement adds none)."""
-    _, parts = cosmos_dit.forward_flops(self.dit, latent=tuple(self.sample_shape[1:]),
-                                        text_tokens=self.c.text_length)
-    return float(sum(parts.values()))
-
-  # ----------------------------------------------------------------------------------- model
-  def _build_model(self, key, adapters=True):
-    """The DiT of `key`; with config.lora's adapters (their own key) unless adapters=False."""
-    model = cosmos_dit.CosmosDiT(self.dit, rngs=nnx.Rngs(key))
-    if adapters:
-      lora_lib.attach(model, self.lora, lora_lib.adapter_key(key))
-    return model
-
-  def init_model(self, key):
-    """(apply_fn, params): random init, or converted weights when config.cosmos.checkpoint is set."""
-    model = self._build_model(key)
-    if self.c.checkpoint:
-      restore_converted(model, self.c.checkpoint, 'config.cosmos.checkpoint')
-    graphdef, params = nnx.split(model)
-    return make_apply_fn(graphdef, self.c.cond_timestep), params
-
-  def abstract_params(self, key):
-    """(apply_fn, abstract params); also sets `cast_params`, the bf16 compute copy of the params."""
-    model = nnx.eval_shape(lambda: self._build_model(key))
-    graphdef, params = nnx.split(model)
-    self.cast_params = cosmos_dit.compute_cast_fn(model)
-    return make_apply_fn(graphdef, self.c.cond_timestep), params
-
-  def init_params_sharded(self, key, shardings):
-    """Initial params placed on `shardings` shard by shard; no device ever holds the whole model.
-
-    Random init runs under jit with out_shardings (each device draws only its own slices; with
-    threefry_partitionable the values equal a single-device init). Converted weights
-    (config.cosmos.checkpoint) are read into host memory and each device receives its slices.
-    """
-    init = lambda k: nnx.split(self._build_model(k))[1]
-    if not self.c.checkpoint:
-      return parallel.sharded_init(init, shardings, key)
-    _, abstract = self.abstract_params(key)
-    if not self.lora.enabled:     # full fine-tuning: the converted weights are all of it
-      return place_converted(abstract, shardings, self.c.checkpoint, 'config.cosmos.checkpoint')
-    _, abstract_base = lora_lib.split(abstract, self.lora)
-    adapter_sh, base_sh = lora_lib.split(shardings, self.lora)
-    base = place_converted(abstract_base, base_sh, self.c.checkpoint, 'config.cosmos.checkpoint')
-    adapters = parallel.sharded_init(lambda k: lora_lib.split(init(k), self.lora)[0], adapter_sh, key)
-    return lora_lib.combine(adapters, base)
 
   # ------------------------------------------------------------------------- VAE and dataset
   def _vae_fns(self):

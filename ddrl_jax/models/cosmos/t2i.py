@@ -15,7 +15,7 @@ import dataclasses
 import flax.nnx as nnx
 import jax.numpy as jnp
 
-from ddrl_jax.models import cosmos_dit
+from ddrl_jax.models.cosmos import dit as cosmos_dit
 from ddrl_jax.models import text as text_lib
 
 

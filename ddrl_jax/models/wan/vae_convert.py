@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from ddrl_jax.models import checked_state
-from ddrl_jax.models.wan_vae import WanVAE
+from ddrl_jax.models.wan.vae import WanVAE
 
 _RENAMES = (('.resample.1.', '.resample.'), ('.upsamplers.0.', '.upsampler.'))
 

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from ddrl_jax.models import checked_state
-from ddrl_jax.models.cosmos_dit import CosmosDiT
+from ddrl_jax.models.cosmos.dit import CosmosDiT
 
 # (source-name regex, NNX path template, kind). kind: 'linear' (transpose), 'vector' (copy).
 # A `{i}` group in the regex is the block index; those tensors are stacked along the layer axis.
