@@ -146,6 +146,7 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
   cast_params = cast_params or (lambda p: p)
   algo = rl_lib.get_algorithm(config.algorithm)
   rl = config.rl
+  options = rl_lib.RLOptions.from_mapping(rl)
   pool = config_lib.train_steps(config)
   gamma = optim.power_ema_gamma(config.optim.ema_power_s) if config.optim.ema_power_s else None
   lr_schedule = optim.learning_rate_schedule(config.optim)
@@ -187,7 +188,7 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
           loss_scale=rl.loss_scale, valid=jnp.isfinite(rewards).all(-1))
     else:
       _, metrics, grads = algo.loss_and_grad(apply, trained, ref, sampler, traj,
-                                             advantages, steps, rollout.cond, None, k_loss, rl)
+                                             advantages, steps, rollout.cond, None, k_loss, options)
     if grads_data is not None:
       grads = jax.tree.map(jnp.add, grads, grads_data)
     grads, nonfinite = optim.zero_nonfinite(grads)

@@ -136,7 +136,8 @@ def test_sharded_step_equals_single_device(preset):
   def loss_and_grad(p, rollout, data_term):
     return jax.value_and_grad(
         lambda q: algo.loss(apply_fn, q, p, sampler, rollout.traj, adv, steps, rollout.cond,
-                            data_term if algo.uses_data else None, key, config.rl),
+                            data_term if algo.uses_data else None, key,
+                            algorithms.RLOptions.from_mapping(config.rl)),
         has_aux=True)(p)
 
   results = {}

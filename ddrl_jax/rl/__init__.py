@@ -11,6 +11,7 @@ from ddrl_jax.rl.advantages import normalized_rewards
 from ddrl_jax.rl.algorithms import ALGORITHMS
 from ddrl_jax.rl.algorithms import Algorithm
 from ddrl_jax.rl.algorithms import DataTerm
+from ddrl_jax.rl.algorithms import RLOptions
 from ddrl_jax.rl.algorithms import data_loss
 from ddrl_jax.rl.algorithms import data_loss_and_grad
 from ddrl_jax.rl.algorithms import data_loss_reference

@@ -525,7 +525,31 @@ def ddpo_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *,
 
 
 # ------------------------------------------------------------------------------------------------
-# Registry: chosen by config.algorithm.
+# Typed options and the registry (chosen by config.algorithm).
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOptions:
+  """The policy-gradient options of `Algorithm.loss` (configs' `rl` section holds the same names).
+
+  clip_range: PPO clip of the ratio; log_ratio: '' (the algorithm's), 'cosmos' or 'gaussian';
+  loss_scale: multiplies the loss; old_mean: 'rollout' (ratio against the stored rollout means) or
+  'current'; drop_zero_advantages: FlowGRPO's filtered mean; kl_beta, kl_form: the reverse KL to the
+  reference of the algorithms that hold one ('exact' or 'flow_grpo')."""
+  clip_range: float
+  log_ratio: str = ''
+  loss_scale: float = 1.0
+  old_mean: str = 'rollout'
+  drop_zero_advantages: bool = False
+  kl_beta: float = 0.0
+  kl_form: str = 'exact'
+
+  @classmethod
+  def from_mapping(cls, mapping):
+    """RLOptions from any mapping with these keys (e.g. config.rl); other keys are ignored, missing
+    ones take the defaults above (clip_range is required)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    return cls(**{n: mapping[n] for n in names if n in mapping})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,15 +586,18 @@ class Algorithm:
     perm = jax.vmap(lambda kk: jax.random.permutation(kk, pool))(keys)
     return perm[:, :k].reshape(batch, num_rollouts, k)
 
-  def _options(self, ref_params, data, rl):
-    """rl_loss keyword arguments from an `rl` ConfigDict (see configs/): the named losses' wiring."""
-    kw = dict(clip_range=rl.clip_range, log_ratio_form=rl.log_ratio or self.default_log_ratio,
-              loss_scale=rl.loss_scale, old_mean=rl.old_mean,
-              drop_zero_advantages=rl.drop_zero_advantages)
+  def _options(self, ref_params, data, options):
+    """rl_loss keyword arguments from `RLOptions`: the named losses' wiring."""
+    if not isinstance(options, RLOptions):
+      raise TypeError(f'{self.name}: options must be rl.RLOptions (RLOptions.from_mapping(config.rl)), '
+                      f'got {type(options).__name__}')
+    kw = dict(clip_range=options.clip_range, log_ratio_form=options.log_ratio or self.default_log_ratio,
+              loss_scale=options.loss_scale, old_mean=options.old_mean,
+              drop_zero_advantages=options.drop_zero_advantages)
     if self.uses_data:
       kw['data'] = data
     if self.uses_reference:
-      kw.update(ref_params=ref_params, kl_beta=rl.kl_beta, kl_form=rl.kl_form)
+      kw.update(ref_params=ref_params, kl_beta=options.kl_beta, kl_form=options.kl_form)
     return kw
 
   def _check_clipped_pg(self):
@@ -578,18 +605,18 @@ class Algorithm:
       raise ValueError(f'{self.name} is not a clipped policy-gradient algorithm; its loss is in '
                        f'ddrl_jax/rl/nft.py (nft_loss, nft_loss_and_grad)')
 
-  def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, rl):
-    """The algorithm's loss (`rl_loss`: the per-step gradient) with the options of an `rl` ConfigDict."""
+  def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, options):
+    """The algorithm's loss (`rl_loss`: the per-step gradient) with `options` (RLOptions)."""
     self._check_clipped_pg()
     return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key,
-                   **self._options(ref_params, data, rl))
+                   **self._options(ref_params, data, options))
 
   def loss_and_grad(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key,
-                    rl):
+                    options):
     """(loss, metrics, float32 grads): `loss` with the gradient accumulated per trained step."""
     self._check_clipped_pg()
     return rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, key,
-                            **self._options(ref_params, data, rl))
+                            **self._options(ref_params, data, options))
 
 
 ALGORITHMS = {
