@@ -46,7 +46,6 @@ from ddrl_jax.models.layers import REMAT_POLICIES
 from ddrl_jax.models.layers import RMSNorm
 from ddrl_jax.models.layers import layer_norm
 from ddrl_jax.models.layers import patchify
-from ddrl_jax.models.layers import timestep_sinusoid
 from ddrl_jax.models.layers import unpatchify
 from ddrl_jax.parallel.plan import constrain
 from ddrl_jax.parallel.plan import self_attention
@@ -225,20 +224,44 @@ def pos_embed_crop(cfg, h, w):
 def _pos_embed_crop(dim, max_size, base_size, h, w):
   if h > max_size or w > max_size:
     raise ValueError(f'patch grid {h} x {w} exceeds pos_embed_max_size={max_size}')
-  top, left = (max_size - h) // 2, (max_size - w) // 2
-  emb_y = _sincos_1d(dim // 2, _grid_coords(max_size, base_size, top, h))     # (h, D/2)
-  emb_x = _sincos_1d(dim // 2, _grid_coords(max_size, base_size, left, w))    # (w, D/2)
-  table = np.concatenate([np.broadcast_to(emb_x[None], (h, w, dim // 2)),
-                          np.broadcast_to(emb_y[:, None], (h, w, dim // 2))], axis=-1)
-  table = table.reshape(h * w, dim).astype(np.float32)
+  table = _sincos_table(dim, max_size, base_size, (max_size - h) // 2, h, (max_size - w) // 2, w)
   table.setflags(write=False)
   return table
 
 
+def _sincos_table(dim, max_size, base_size, top, h, left, w):
+  """(h*w, dim) float32 rows of the table for grid rows top.. and columns left.. (row-major)."""
+  emb_y = _sincos_1d(dim // 2, _grid_coords(max_size, base_size, top, h)).astype(np.float32)   # (h, D/2)
+  emb_x = _sincos_1d(dim // 2, _grid_coords(max_size, base_size, left, w)).astype(np.float32)  # (w, D/2)
+  table = np.empty((h, w, dim), np.float32)
+  table[..., :dim // 2] = emb_x[None]
+  table[..., dim // 2:] = emb_y[:, None]
+  return table.reshape(h * w, dim)
+
+
 def pos_embed_table(cfg):
-  """diffusers' whole persistent buffer `pos_embed.pos_embed`: (1, max^2, D) float32 (numpy)."""
+  """diffusers' whole persistent buffer `pos_embed.pos_embed`: (1, max^2, D) float32 numpy (0.9 GB for
+  SD3.5-M)."""
   m = cfg.pos_embed_max_size
-  return _pos_embed_crop.__wrapped__(cfg.inner_dim, m, cfg.base_size, m, m)[None]
+  return _sincos_table(cfg.inner_dim, m, cfg.base_size, 0, m, 0, m)[None]
+
+
+def _time_freqs(dim):
+  """(dim/2,) float32 exp(-ln(1e4) j / (dim/2)): the exponent in float32 as diffusers computes it, its exp
+  correctly rounded (torch's and XLA's float32 exp differ from it by an ulp on some j)."""
+  exponent = -math.log(10000.0) * np.arange(dim // 2, dtype=np.float32) / np.float32(dim // 2)
+  return np.exp(exponent.astype(np.float32).astype(np.float64)).astype(np.float32)
+
+
+def time_sinusoid(t, dim=TIME_FREQ_DIM):
+  """t (B,) on 0..1000 -> (B, dim) float32 [cos(t f), sin(t f)] (diffusers' Timesteps(dim,
+  flip_sin_to_cos=True, downscale_freq_shift=0)).
+
+  Same formula as layers.timestep_sinusoid, but with the frequencies as a correctly rounded constant:
+  at t ~ 1000 an ulp of a frequency moves the sinusoid by ~3e-5, which was most of the float32 gap to
+  diffusers."""
+  arg = t.astype(jnp.float32)[..., None] * jnp.asarray(_time_freqs(dim))
+  return jnp.concatenate([jnp.cos(arg), jnp.sin(arg)], axis=-1)
 
 
 def gelu_tanh(x):
@@ -452,7 +475,7 @@ class TimeTextEmbed(nnx.Module):
     self.text_embedder = TextProjection(cfg, rngs)
 
   def __call__(self, timestep, pooled):
-    t = self.timestep_embedder(timestep_sinusoid(timestep.astype(jnp.float32), TIME_FREQ_DIM))
+    t = self.timestep_embedder(time_sinusoid(timestep))
     return t + self.text_embedder(pooled.astype(jnp.float32))
 
 
