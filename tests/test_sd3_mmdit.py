@@ -182,11 +182,10 @@ def test_sd35_medium_param_count_matches_diffusers():
   for path, leaf in convert.abstract_params(cfg).items():
     names, kind = convert.diffusers_names('/'.join(path), cfg)
     shape = tuple(leaf.shape[1:] if len(names) > 1 or path[0] in ('dual_blocks', 'joint_blocks') else leaf.shape)
+    if kind == 'patch':
+      shape = (shape[1], cfg.in_channels, cfg.patch_size, cfg.patch_size)
     for name in names:
       ours_shapes[name] = shape[::-1] if kind == 'linear' else shape
-  assert ours_shapes.keys() == shapes.keys()
-  p = cfg.patch_size
-  shapes['pos_embed.proj.weight'] = (cfg.in_channels * p * p, cfg.inner_dim)[::-1]
   assert ours_shapes == shapes
 
 
@@ -204,6 +203,8 @@ def _scan_lengths(jaxpr):
 
 
 def test_stacks_scan_and_remat_keeps_output():
+  """Stacks scan (leading 'layers' axis, scan primitives of both lengths); 'full' remat gives the loss and
+  gradients of no remat (the other policies run the same nnx.remat path with another policy)."""
   cfg = _config(num_layers=6, dual_attention_layers=(0, 1))       # stacks of 2 (dual) and 3 (plain)
   state = jax.jit(lambda: nnx.state(mmdit.MMDiT(cfg, rngs=nnx.Rngs(3))))()   # one compile, not eager init
   pure = nnx.to_pure_dict(nnx.state(state, nnx.Param))
@@ -220,14 +221,14 @@ def test_stacks_scan_and_remat_keeps_output():
 
   args = (jnp.ones((1, 4, 8, 12)), jnp.full((1,), 300.0), jnp.ones((1, 3, 24)), jnp.ones((1, 20)))
   outs = {}
-  for policy in ('none', 'full', 'dots'):
+  for policy in ('none', 'full'):
     graphdef = nnx.graphdef(mmdit.abstract_model(_config(num_layers=6, remat_policy=policy)))
     loss_fn = lambda s: jnp.mean(nnx.merge(graphdef, s)(*args) ** 2)
     if policy == 'none':
       lengths = _scan_lengths(jax.make_jaxpr(loss_fn)(state).jaxpr)
       assert 2 in lengths and 3 in lengths, lengths
     outs[policy] = jax.jit(jax.value_and_grad(loss_fn))(state)
-  for policy in ('full', 'dots'):
+  for policy in ('full',):
     np.testing.assert_allclose(outs[policy][0], outs['none'][0], rtol=1e-6)
     for g, r in zip(jax.tree.leaves(outs[policy][1]), jax.tree.leaves(outs['none'][1])):
       np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
@@ -256,6 +257,9 @@ def test_forward_flops_match_kernel_sizes():
     elif path[-2] in image_mods:
       macs += size * s
   assert parts['linear'] == 2 * macs
+  assert parts['attention'] == 2 * (24 * 2 * (s + 333) ** 2 * 1536 + 13 * 2 * s * s * 1536)
   assert set(parts) == {'linear', 'attention', 'embed', 'other'}
-  total = sum(parts.values())
-  assert 2 * mmdit.num_params(cfg) * s < total < 4 * mmdit.num_params(cfg) * s
+  # About 36% of the parameters act on every image token (adaLN weights act once per sample, 29% of the
+  # parameters are text-stream weights on L tokens), so the matmul FLOPs are ~0.76 x 2 N S.
+  n = mmdit.num_params(cfg)
+  assert 0.7 * n * s < sum(parts.values()) - parts['attention'] < 0.8 * n * s
