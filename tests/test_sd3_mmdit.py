@@ -1,9 +1,8 @@
 """SD3 MMDiT: parity with diffusers' `SD3Transformer2DModel` (fp32, CPU, every parameter re-randomized),
 converter round trip and errors, SD3.5-Medium's parameter count, remat and scanned stacks, FLOPs.
 
-diffusers zero-initializes nothing in SD3 by default, but its norms start at 1 and a trained model's gates
-are far from its init; every parameter is redrawn (torch.manual_seed) so that no path of the comparison is
-vacuous. The positional table is diffusers' own buffer (not a parameter) and is compared as part of the
+Every parameter of the diffusers model is redrawn (torch.manual_seed): weights, biases and the q/k norm
+scales (which diffusers initializes to ones), so that no path of the comparison is vacuous. The positional table is diffusers' own buffer (not a parameter) and is compared as part of the
 forward pass.
 """
 import math
@@ -263,3 +262,24 @@ def test_forward_flops_match_kernel_sizes():
   # parameters are text-stream weights on L tokens), so the matmul FLOPs are ~0.76 x 2 N S.
   n = mmdit.num_params(cfg)
   assert 0.7 * n * s < sum(parts.values()) - parts['attention'] < 0.8 * n * s
+
+
+def test_lora_attaches_to_stacked_attention_and_bf16_runs(diffusers_sd, jax_forward):
+  from ddrl_jax.models import lora   # pylint: disable=g-import-not-at-top
+  cfg = _config()
+  pure = convert.from_diffusers_state_dict(diffusers_sd, cfg)
+  x, t, text, pooled = (a[:1] for a in _inputs(8, 8, seed=5))
+  base = np.asarray(jax_forward[0](jax_forward[1], x, t, text, pooled))
+  model = convert.model_from_pure(pure, cfg)
+  spec = lora.LoRAConfig(rank=4, alpha=4.0, targets=(r'.*\.attn2?\.(to_q|to_k|to_v|to_out|add_[qkv]_proj|to_add_out)',))
+  paths = lora.attach(model, spec, jax.random.key(0))
+  assert 'dual_blocks.attn.add_q_proj' in paths and 'last_block.attn.to_out' in paths
+  assert model.dual_blocks.attn2.to_q.lora_a.shape == (2, 32, 4)
+  fwd, state = _jit_forward(model)
+  np.testing.assert_array_equal(np.asarray(fwd(state, x, t, text, pooled)), base)   # B = 0 at init
+
+  bf16 = _config(dtype=jnp.bfloat16)
+  fwd16, state16 = _jit_forward(convert.model_from_pure(pure, bf16))
+  out16 = np.asarray(fwd16(state16, x, t, text, pooled)).astype(np.float32)
+  assert np.isfinite(out16).all()
+  assert float(np.abs(out16 - base).max()) < 0.1 * float(np.abs(base).max())
