@@ -183,7 +183,7 @@ def from_diffusers_state_dict(state_dict, cfg):
     arr = _to_ours(value, kind)
     want = tuple(expected[path].shape[1:] if index is not None else expected[path].shape)
     if arr.shape != want:
-      misshaped.append(f'{key}: got {tuple(np.shape(value))}, expected {_torch_shape(want, kind)}')
+      misshaped.append(f'{key}: got {tuple(np.shape(value))}, expected {_torch_shape(want, kind, cfg)}')
       continue
     if index is None:
       flat[path] = arr
@@ -212,10 +212,13 @@ def from_diffusers_state_dict(state_dict, cfg):
   return pure
 
 
-def _torch_shape(shape, kind):
+def _torch_shape(shape, kind, cfg):
+  """diffusers' shape of a tensor whose converted shape is `shape`."""
   if kind == 'linear':
     return tuple(reversed(shape))
-  return shape if kind == 'vector' else ('D', 'C', 'p', 'p')
+  if kind == 'patch':
+    return (shape[1], cfg.in_channels, cfg.patch_size, cfg.patch_size)
+  return shape
 
 
 def to_diffusers_state_dict(pure, cfg, with_pos_embed=True):
