@@ -1,0 +1,1 @@
+"""Stable Diffusion 3.5: the MMDiT, its VAE, conditioning."""
