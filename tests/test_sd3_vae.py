@@ -195,3 +195,26 @@ def test_load_diffusers_folder(pair, tmp_path):
   assert loaded.decoder.conv_out.kernel[...].dtype == jnp.bfloat16
   with pytest.raises(ValueError, match='config.json'):
     vae_convert.load_diffusers_folder(str(tmp_path / 'nowhere'))
+
+
+def test_other_autoencoderkl_switches_match_diffusers():
+  """quant_conv / post_quant_conv on and the mid-block attention off (SD1.x/SDXL/FLUX-style switches)."""
+  cfg = sd3_vae.tiny(block_out_channels=(8, 16), latent_channels=4, use_quant_conv=True,
+                     use_post_quant_conv=True, mid_block_add_attention=False)
+  ref = diffusers.AutoencoderKL(**_diffusers_kwargs(cfg)).eval()
+  _randomize(ref, 1)
+  sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+  model = vae_convert.merge_params(cfg, vae_convert.from_diffusers_state_dict(sd, cfg))
+  images = torch.rand(1, 3, 8, 12, generator=torch.Generator().manual_seed(5)) * 2 - 1
+  with torch.no_grad():
+    dist = ref.encode(images).latent_dist
+    want = ref.decode(dist.mean).sample.numpy()
+
+  @nnx.jit
+  def run(m, x):
+    mean, logvar = m.posterior(x)
+    return mean, logvar, m.decode(mean)
+
+  mean, logvar, got = run(model, jnp.asarray(images.numpy()))
+  assert _max_err(mean, dist.mean.numpy()) <= TOL and _max_err(logvar, dist.logvar.numpy()) <= TOL
+  assert _max_err(got, want) <= TOL
