@@ -17,7 +17,7 @@ from ddrl_jax.models.sd3 import vae_convert  # noqa: E402
 
 # 3 blocks (two down/up samplings, 4x), 2 ResNets per down block: widths 8 -> 16 (a conv_shortcut) -> 16
 CFG = sd3_vae.tiny(block_out_channels=(8, 16, 16), layers_per_block=2, norm_num_groups=4)
-SIZES = [(16, 16), (24, 40)]
+SIZES = [(16, 16), pytest.param((24, 40), marks=pytest.mark.slow)]   # the second size: slow tier
 TOL = 1e-5
 
 # The SD3 / SD3.5 vae/config.json (stabilityai/stable-diffusion-3.5-medium), as diffusers reads it.
@@ -111,7 +111,7 @@ def test_decode_matches_diffusers(pair, size):
 
 def test_sample_is_mean_plus_std_noise(pair):
   _, model, _ = pair
-  images = jnp.asarray(np.random.RandomState(0).uniform(-1, 1, (2, 3, *SIZES[0])), jnp.float32)
+  images = jnp.asarray(np.random.RandomState(0).uniform(-1, 1, (2, 3, 16, 16)), jnp.float32)
   key = jax.random.key(3)
   mean, logvar, _, z = _encode(model, images, key)
   eps = jax.random.normal(key, mean.shape, jnp.float32)
@@ -197,6 +197,7 @@ def test_load_diffusers_folder(pair, tmp_path):
     vae_convert.load_diffusers_folder(str(tmp_path / 'nowhere'))
 
 
+@pytest.mark.slow
 def test_other_autoencoderkl_switches_match_diffusers():
   """quant_conv / post_quant_conv on and the mid-block attention off (SD1.x/SDXL/FLUX-style switches)."""
   cfg = sd3_vae.tiny(block_out_channels=(8, 16), latent_channels=4, use_quant_conv=True,
