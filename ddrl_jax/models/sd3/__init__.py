@@ -1,1 +1,1 @@
-"""Stable Diffusion 3 / 3.5 in Flax NNX: the MMDiT (`mmdit`) and its diffusers weight converter (`convert`)."""
+"""Stable Diffusion 3.5: the MMDiT (`mmdit`), its VAE (`vae`), their diffusers converters."""
