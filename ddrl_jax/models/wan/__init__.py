@@ -1,0 +1,1 @@
+"""Wan2.1: the VAE and the text-to-video DiT."""
