@@ -188,7 +188,9 @@ def test_bf16_under_a_sharding_plan(diffusers_sd):
   pure = wc.from_diffusers_state_dict(diffusers_sd, CFG)
   ref = np.asarray(nnx.jit(lambda m: m(x, t, ctx))(wc.merge_params(CFG, pure)))
   model = wc.merge_params(wt.tiny(remat_policy='full', dtype=jnp.bfloat16), pure)
-  mesh = jax.make_mesh((1, 1, 1, 1), ('data', 'fsdp', 'context', 'tensor'))
+  from jax.sharding import AxisType
+  mesh = jax.make_mesh((1, 1, 1, 1), ('data', 'fsdp', 'context', 'tensor'), devices=jax.devices()[:1],
+                       axis_types=(AxisType.Auto,) * 4)
   plan = plan_lib.ShardingPlan(mesh=mesh, rules=rules_lib.resolve_rules(rules_lib.DEFAULT_RULES, 'fsdp',
                                                                          mesh.axis_names))
   graphdef, state = nnx.split(model)
@@ -202,3 +204,28 @@ def test_bf16_under_a_sharding_plan(diffusers_sd):
   cast_state = cast(state)
   assert cast_state['condition_embedder']['time_embedder']['linear_1']['kernel'].get_value().dtype == jnp.float32
   assert cast_state['blocks']['attn1']['to_q']['kernel'].get_value().dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize('impl', ['ulysses', 'ring'])
+def test_context_parallel_equals_one_device(diffusers_sd, impl):
+  """FSDP-sharded parameters, frame-sharded residuals and context-parallel self-attention over 2 of the
+  8 fake CPU devices (tests/conftest.py) give the one-device output."""
+  from ddrl_jax.parallel import plan as plan_lib
+  from ddrl_jax.parallel import rules as rules_lib
+  if len(jax.devices()) < 8:
+    pytest.skip('needs the 8 fake CPU devices of tests/conftest.py')
+  x, t, ctx = _inputs(6, (16, 2, 4, 6))        # T' = 2 frames, one per context device
+  pure = wc.from_diffusers_state_dict(diffusers_sd, CFG)
+  model = wc.merge_params(CFG, pure)
+  ref = np.asarray(nnx.jit(lambda m: m(x, t, ctx))(model))
+  from jax.sharding import AxisType
+  mesh = jax.make_mesh((2, 2, 2, 1), ('data', 'fsdp', 'context', 'tensor'), devices=jax.devices()[:8],
+                       axis_types=(AxisType.Auto,) * 4)
+  plan = plan_lib.ShardingPlan(mesh=mesh, context_impl=impl, rules=rules_lib.resolve_rules(
+      rules_lib.DEFAULT_RULES, 'fsdp', mesh.axis_names))
+  graphdef, state = nnx.split(model)
+  state = jax.device_put(state, plan.params(state))
+  out = np.asarray(jax.jit(plan.scope(lambda s: nnx.merge(graphdef, s)(x, t, ctx)))(state))
+  err = float(np.abs(out - ref).max())
+  print(f'{impl}: max abs diff vs one device {err:.2e}')
+  assert err <= 1e-5
