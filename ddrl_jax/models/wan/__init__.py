@@ -1,1 +1,1 @@
-"""Wan2.1: the video VAE (and its converters); the text-to-video DiT joins as a model family."""
+"""Wan2.1: the video VAE (`vae`), the text-to-video DiT (`transformer`), their converters and family."""
