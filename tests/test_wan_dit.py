@@ -169,7 +169,7 @@ def test_default_rules_shard_wan14b_on_an_fsdp_mesh():
   from jax.sharding import PartitionSpec as P
   from ddrl_jax.parallel import rules as rules_lib
   mesh = AbstractMesh((4, 32, 8, 1), ('data', 'fsdp', 'context', 'tensor'), axis_types=(AxisType.Auto,) * 4)
-  rules = rules_lib.resolve_rules(rules_lib.DEFAULT_RULES, 'fsdp', mesh.axis_names)
+  rules = rules_lib.resolve_rules(dict(rules_lib.DEFAULT_RULES, **wt.LOGICAL_RULES), 'fsdp', mesh.axis_names)
   params = nnx.state(nnx.eval_shape(lambda: wt.WanDiT(wt.wan14b(), rngs=nnx.Rngs(0))), nnx.Param)
   shardings = rules_lib.param_shardings(params, mesh, rules)
   report = rules_lib.sharding_report(params, shardings)
@@ -191,8 +191,9 @@ def test_bf16_under_a_sharding_plan(diffusers_sd):
   from jax.sharding import AxisType
   mesh = jax.make_mesh((1, 1, 1, 1), ('data', 'fsdp', 'context', 'tensor'), devices=jax.devices()[:1],
                        axis_types=(AxisType.Auto,) * 4)
-  plan = plan_lib.ShardingPlan(mesh=mesh, rules=rules_lib.resolve_rules(rules_lib.DEFAULT_RULES, 'fsdp',
-                                                                         mesh.axis_names))
+  plan = plan_lib.ShardingPlan(mesh=mesh, rules=rules_lib.resolve_rules(
+      dict(rules_lib.DEFAULT_RULES, **wt.LOGICAL_RULES), 'fsdp', mesh.axis_names),
+                               sequence_names=wt.SEQUENCE_NAMES)
   graphdef, state = nnx.split(model)
   cast = wt.compute_cast_fn(model)
   fwd = jax.jit(plan.scope(lambda s: nnx.merge(graphdef, cast(s))(x, t, ctx)))
@@ -222,7 +223,8 @@ def test_context_parallel_equals_one_device(diffusers_sd, impl):
   mesh = jax.make_mesh((2, 2, 2, 1), ('data', 'fsdp', 'context', 'tensor'), devices=jax.devices()[:8],
                        axis_types=(AxisType.Auto,) * 4)
   plan = plan_lib.ShardingPlan(mesh=mesh, context_impl=impl, rules=rules_lib.resolve_rules(
-      rules_lib.DEFAULT_RULES, 'fsdp', mesh.axis_names))
+      dict(rules_lib.DEFAULT_RULES, **wt.LOGICAL_RULES), 'fsdp', mesh.axis_names),
+                               sequence_names=wt.SEQUENCE_NAMES)
   graphdef, state = nnx.split(model)
   state = jax.device_put(state, plan.params(state))
   out = np.asarray(jax.jit(plan.scope(lambda s: nnx.merge(graphdef, s)(x, t, ctx)))(state))

@@ -47,6 +47,10 @@ from ddrl_jax.parallel.plan import self_attention
 
 # Logical names of activations (ddrl_jax/parallel/rules.py maps them to mesh axes; no-ops without a plan).
 RESIDUAL_NAMES = ('act_batch', 'act_frames', None, 'act_embed')     # (B, T', H'W', D)
+# Logical names beyond the shared ones (parallel/rules.py): latent frames split over context like the
+# tokens (the sequence is frame-major, so whole frames shard).
+LOGICAL_RULES = {'act_frames': 'context'}
+SEQUENCE_NAMES = ('act_frames', 'act_seq')
 QKV_NAMES = ('act_batch', 'act_seq', 'act_heads', 'act_kv')         # (B, S, N, Hd)
 KV_TEXT_NAMES = ('act_batch', 'act_text', 'act_heads', 'act_kv')    # (B, L, N, Hd)
 TEXT_NAMES = ('act_batch', 'act_text', 'act_embed')                 # (B, L, D)
