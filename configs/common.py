@@ -27,7 +27,11 @@ def base_config():
   c.sampler = ml_collections.ConfigDict(dict(
       kind='',                  # '' = the algorithm's default (ddrl: cosmos_2ab, flow_grpo: flow_sde, ...)
       num_steps=20, sigma_min=0.01, sigma_max=200.0, rho=7.0, s_churn=1.0, s_noise=1.0,
-      shift=3.0, noise_level=0.7, eta=0.3))
+      shift=3.0, noise_level=0.7, eta=0.3,
+      # Evaluation's sampler: eval_num_steps > 0 samples with that many steps (FlowGRPO: 10 to train, 40
+      # to evaluate), eval_deterministic without noise (FlowGRPO evaluates at noise_level 0); the
+      # defaults evaluate with the training sampler.
+      eval_num_steps=0, eval_deterministic=False))
 
   c.rl = ml_collections.ConfigDict(dict(
       train_steps=ml_collections.FieldReference(None, field_type=tuple),  # None: algorithm default

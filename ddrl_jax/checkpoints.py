@@ -32,7 +32,7 @@ SAFE_TO_CHANGE = (
 ADDED_KEY_DEFAULTS = {
     'rl.adv_normalization': 'cosmos', 'rl.adv_global_std': True, 'rl.failed_advantage': 'zero',
     'rl.drop_zero_advantages': False, 'rl.kl_form': 'exact', 'rl.nft_beta': 1.0, 'rl.nft_old_decay': 1,
-    'lora.rank': 0, 'model_family': '',
+    'lora.rank': 0, 'model_family': '', 'sampler.eval_num_steps': 0, 'sampler.eval_deterministic': False,
 }
 
 

@@ -97,6 +97,17 @@ def make_sampler(config):
                                eta=s.eta)
 
 
+def make_eval_sampler(config):
+  """The evaluation sampler: the training one, with config.sampler.eval_num_steps steps when > 0 and
+  without noise when config.sampler.eval_deterministic."""
+  s = config.sampler
+  steps = s.get('eval_num_steps', 0)
+  sampler = make_sampler(config) if not steps else sampling.make_sampler(
+      config_lib.sampler_kind(config), steps, sigma_min=s.sigma_min, sigma_max=s.sigma_max, rho=s.rho,
+      s_churn=s.s_churn, s_noise=s.s_noise, shift=s.shift, noise_level=s.noise_level, eta=s.eta)
+  return sampler.deterministic() if s.get('eval_deterministic', False) else sampler
+
+
 def init_train_state(params, config, optimizer, frozen=None):
   """The state at step 0 of the trained `params` (with LoRA: the adapters, `frozen` the base)."""
   algo = rl_lib.get_algorithm(config.algorithm)
@@ -297,7 +308,8 @@ def build_step_fns(config, plan, state_shardings, apply_fn, sampler, sample_shap
   model_sh = model_params(sh)          # the shardings of model_params(state)
   return StepFns(
       rollout=jax.jit(plan.scope(rollout), in_shardings=(model_sh, batch, rep), out_shardings=batch),
-      sample=make_sample_fn(sampler, apply_fn, sample_shape, plan.mesh, model_sh, plan, cast),
+      sample=make_sample_fn(make_eval_sampler(config), apply_fn, sample_shape, plan.mesh, model_sh, plan,
+                            cast),
       data_grads=jax.jit(plan.scope(data_grads), in_shardings=(model_sh, batch, None, rep),
                          out_shardings=(grads_sh, rep)),
       update=jax.jit(plan.scope(update), in_shardings=(sh, batch, grads_sh, rep),

@@ -112,7 +112,9 @@ def _records(items, source, task, *, batch, text, pad_frames, repeat_images, ski
     out = []
     for i, (rel, caption, _) in enumerate(chunk):
       rec = dict(prompt=caption, sample=samples[i], meta={'file': rel})
-      if texts is not None:
+      if isinstance(texts, dict):       # several text fields (e.g. SD3: text_embedding, pooled_embedding)
+        rec.update({name: value[i] for name, value in texts.items()})
+      elif texts is not None:
         rec['text_embedding'] = texts[i]
       first = first_frame_of(samples[i])
       if first is not None:

@@ -7,6 +7,7 @@ Record (a dict):
   text_embedding: optional (L, D) float32 precomputed text embedding of the prompt.
   first_frame:    optional np.ndarray, the clean first frame for image-to-video, e.g. (16, 1, H, W)
                   latents (= sample[:, :1]) or (1, H, W, 3) pixels.
+  pooled_embedding: optional (D,) float32 pooled text embedding (SD3's CLIP-L/G pooled 2048 vector).
   meta:           optional JSON-able dict, e.g. {'file': 'clips/a.mp4'}.
 
 Bytes: a msgpack map with the keys above plus 'version' (FORMAT_VERSION); each array is the bytes of
@@ -33,7 +34,7 @@ import msgpack
 import numpy as np
 
 FORMAT_VERSION = 1
-ARRAY_FIELDS = ('sample', 'text_embedding', 'first_frame')
+ARRAY_FIELDS = ('sample', 'text_embedding', 'first_frame', 'pooled_embedding')
 FIELDS = ('prompt', 'meta') + ARRAY_FIELDS
 DTYPES = ('float32', 'float16', 'int32', 'uint8')
 MANIFEST = 'manifest.json'

@@ -31,9 +31,11 @@ FAMILIES = {
     'cosmos': 'ddrl_jax.models.cosmos.family',          # Cosmos-Predict2.5 DiT (video, frame replacement)
     'cosmos_t2i': 'ddrl_jax.models.cosmos.family',      # the DiT on one frame with a byte text encoder
     'mlp': 'ddrl_jax.models.mlp',                        # the 2-D velocity MLP of the toy task
+    'sd3': 'ddrl_jax.models.sd3.family',                 # SD3 / SD3.5 MMDiT (diffusers SD3Transformer2DModel)
 }
 # Modules holding converters only (no trainable family yet): read by `converters()`.
-CONVERTER_MODULES = ('ddrl_jax.models.cosmos.family', 'ddrl_jax.models.wan.family')
+CONVERTER_MODULES = ('ddrl_jax.models.cosmos.family', 'ddrl_jax.models.wan.family',
+                     'ddrl_jax.models.sd3.family')
 
 ApplyFn = Callable[[Any, jax.Array, jax.Array, Any], jax.Array]
 

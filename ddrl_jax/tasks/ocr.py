@@ -38,6 +38,27 @@ def to_uint8(samples):
   return np.transpose(u8, (0, 2, 3, 1)), finite
 
 
+def readers_of(config):
+  """(Tesseract, RapidOCR) readers with config.reward.kwargs' options for 'ocr' and 'ocr_rapid'."""
+  kwargs = config.reward.kwargs
+  return (ocr_reward.OCRReward(**dict(kwargs.get('ocr', {}))),
+          ocr_reward.RapidOCRReward(**dict(kwargs.get('ocr_rapid', {}))))
+
+
+def ocr_metrics_of(images, finite, prompts, readers):
+  """OCR accuracy of (M, H, W, 3) uint8 images of `prompts` by the training reader (Tesseract: ocr,
+  ocr_exact) and the held-out judge (RapidOCR: ocr_rapid, ocr_exact_rapid); reader_gap = ocr - ocr_rapid;
+  non-finite samples score 0."""
+  out = {}
+  for suffix, reader in zip(('', '_rapid'), readers):
+    scores = np.where(finite, reader(images, prompts), 0.0)
+    out[f'ocr{suffix}'] = float(scores.mean())
+    out[f'ocr_exact{suffix}'] = float((scores == 1).mean())
+  out['reader_gap'] = out['ocr'] - out['ocr_rapid']
+  out['finite_fraction'] = float(finite.mean())
+  return out
+
+
 class OCRTask(base.FamilyTask):
   """The task for the trainer (see the module docstring). The model is the 'cosmos_t2i' family
   (models/cosmos/family.py), its base the checkpoint config.ocr.base_checkpoint."""
@@ -101,20 +122,8 @@ class OCRTask(base.FamilyTask):
     images, finite = to_uint8(samples)
     if cond is None:
       return dict(finite_fraction=float(finite.mean()))
-    kwargs = self.config.reward.kwargs
-    readers = self._readers or (
-        ocr_reward.OCRReward(**dict(kwargs.get('ocr', {}))),
-        ocr_reward.RapidOCRReward(**dict(kwargs.get('ocr_rapid', {}))))
-    self._readers = readers
-    prompts = self.prompts(cond)
-    out = {}
-    for suffix, reader in zip(('', '_rapid'), readers):
-      scores = np.where(finite, reader(images, prompts), 0.0)
-      out[f'ocr{suffix}'] = float(scores.mean())
-      out[f'ocr_exact{suffix}'] = float((scores == 1).mean())
-    out['reader_gap'] = out['ocr'] - out['ocr_rapid']
-    out['finite_fraction'] = float(finite.mean())
-    return out
+    self._readers = self._readers or readers_of(self.config)
+    return ocr_metrics_of(images, finite, self.prompts(cond), self._readers)
 
   # ------------------------------------------------------------------------------- records
   def from_records(self, batch, key):

@@ -283,7 +283,12 @@ def _t5_tokenizer():
                          extra_ids=0, model_max_length=512)
 
 
-def tiny_random(seed=0, *, clip_l_dim=16, clip_g_dim=24, t5_dim=48, clip_layers=2, t5_layers=2, with_t5=True,
+TINY_CLIP_L_DIM, TINY_CLIP_G_DIM, TINY_T5_DIM = 16, 24, 48
+TINY_JOINT_DIM = TINY_T5_DIM                        # the joint sequence's width (T5's; CLIPs zero-padded)
+TINY_POOLED_DIM = TINY_CLIP_L_DIM + TINY_CLIP_G_DIM   # the pooled vector's width
+
+
+def tiny_random(seed=0, *, clip_l_dim=TINY_CLIP_L_DIM, clip_g_dim=TINY_CLIP_G_DIM, t5_dim=TINY_T5_DIM, clip_layers=2, t5_layers=2, with_t5=True,
                 tmpdir=None):
   """Tiny CLIP-L-like, CLIP-G-like and T5 encoders with random weights and offline tokenizers.
 

@@ -1,0 +1,162 @@
+"""Stable Diffusion 3.5 Medium text rendering at 512 x 512 with the OCR reward (task sd3_ocr).
+
+    python -m ddrl_jax.train --config=configs/sd35m.py:ddrl --workdir=...       (the paper's Table 4)
+    python -m ddrl_jax.train --config=configs/sd35m.py:flow_grpo --workdir=...
+    python -m ddrl_jax.train --config=configs/sd35m.py:diffusion_nft --workdir=...
+    python -m ddrl_jax.aot --config=configs/sd35m.py:flow_grpo --topology=v5p-8
+
+Weights: convert a diffusers SD3.5-Medium folder once (`python -m ddrl_jax.models.convert
+--source=<folder> --model=sd35_medium --out=...` and `--model=sd35_vae`) and point config.sd3.checkpoint,
+config.sd3.vae_checkpoint at the outputs and config.sd3.text_encoders at the folder (its text encoders and
+tokenizers). DDRL's data are the base model's own samples: `python -m ddrl_jax.data.synthesize
+--config=configs/sd35m.py:ddrl --out=<records>` before training, then --config.data.path=<records>.
+
+Presets, each following one public recipe (the rest of the keys are shared below):
+  ddrl:          the paper (arXiv 2512.04332) section 4.2 / Table 4: SD3.5-M at 512, LoRA alpha 64 rank 32,
+                 regularized with the base model's own samples, settings aligned with FlowGRPO's OCR run
+                 (10-step flow SDE at noise 0.7, group 24), no classifier-free guidance anywhere (the paper:
+                 DDRL uses no CFG; the data term drops the condition 20% of the time), 300 iterations.
+  flow_grpo:     yifan123/flow_grpo config/grpo.py `general_ocr_sd3` (+ config/base.py,
+                 scripts/train_sd3.py): 10 training steps and 40 evaluation steps (evaluation at noise 0),
+                 guidance 4.5 in rollouts, in the policy-gradient pass and in evaluation, the flow SDE at
+                 noise_level 0.7, KL beta 0.04 in FlowGRPO's form, clip 1e-4, group 24 x 24 prompts per
+                 optimizer step (48 prompts and 2 optimizer steps per epoch), lr 3e-4, LoRA r32 a64
+                 gaussian init on attn.{to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out}.
+  diffusion_nft: NVlabs/DiffusionNFT config/nft.py `sd3_ocr` (ddrl_jax/rl/nft.py; configs/common.py's
+                 preset has its keys): CFG-free (guidance 1 in rollouts and evaluation), the same sizes.
+CFG policy per preset: config.sd3.guidance_rollout (rollouts and the policy gradient, which re-evaluates
+the rollouts' own conditions), config.sd3.guidance_eval (evaluation). Differences from the references:
+one rollout batch per optimizer step (FlowGRPO: 2 optimizer steps per 1152-sample epoch), our power EMA
+in place of FlowGRPO's decay min((1+n)/(10+n), 0.9) every 8 steps, and the prompts: FlowGRPO's OCR training
+split is not public, so the runs train on its 1017 test prompts less 128 held out for evaluation.
+
+':smoke' (e.g. ':ddrl_smoke', ':flow_grpo_smoke') keeps the recipe and the real OCR reward but shrinks
+the rest for a 2-core CPU: the tiny MMDiT and SD3 VAE with random weights, tiny random CLIP-L/G + T5
+encoders built in-process, 64 x 64 images, 4 sampler steps, 2 groups of 2.
+"""
+import ml_collections
+
+from configs import common
+
+PRESETS = ('ddrl', 'flow_grpo', 'diffusion_nft')
+# flow_grpo's LoRA targets (scripts/train_sd3.py) as module paths of models/sd3/mmdit.py: the joint
+# attention of every block, not the dual blocks' image-only attn2 (no public recipe adapts it).
+LORA_TARGETS = (r'(dual_blocks|joint_blocks|last_block)\.attn\.'
+                r'(to_q|to_k|to_v|to_out|add_q_proj|add_k_proj|add_v_proj|to_add_out)',)
+
+
+def _split(arg):
+  """'ddrl' -> ('ddrl', False); 'flow_grpo_smoke' -> ('flow_grpo', True); '' and 'smoke' mean ddrl."""
+  smoke = arg == 'smoke' or arg.endswith('_smoke')
+  preset = arg[:-len('_smoke')] if arg.endswith('_smoke') else arg
+  preset = preset if preset not in ('', 'smoke') else 'ddrl'
+  if preset not in PRESETS:
+    raise ValueError(f'unknown config arg {arg!r}; known: {PRESETS}, each optionally with _smoke')
+  return preset, smoke
+
+
+def get_config(arg='ddrl'):
+  preset, smoke = _split(arg)
+  c = common.base_config()
+  c.task = 'sd3_ocr'
+  common.use_family_rules(c, 'sd3')
+  common.apply_algorithm_preset(c, preset)
+  c.seed = 0
+  c.num_iterations = 300
+  c.batch_size = 24                 # prompts per optimizer step (FlowGRPO: 48 per epoch, 2 steps)
+  c.num_rollouts = 24               # group size
+  c.log_every = 1
+  c.checkpoint_every = 20
+  c.eval_every = 20
+  c.eval_samples = 128
+
+  s = c.sampler
+  s.kind = 'flow_sde'               # FlowGRPO's SDE (sd3_sde_with_logprob) for every preset
+  s.num_steps = 10
+  s.shift = 3.0                     # SD3.5's FlowMatchEulerDiscreteScheduler shift
+  s.noise_level = 0.7
+  s.eval_num_steps = 40
+  s.eval_deterministic = True       # FlowGRPO evaluates at noise_level 0
+
+  rl = c.rl
+  rl.log_ratio = 'gaussian'
+  if preset == 'ddrl':
+    rl.data_beta = 0.01             # cosmos-rl's value; the paper gives none for SD3.5
+    rl.data_loss_steps = 'full'
+    rl.data_noise = 'fresh'         # synthetic data: no rollout noise belongs to them
+    rl.cond_dropout = 0.2
+    rl.adv_normalization = 'flow_grpo'
+    rl.clip_range = 1e-4
+    rl.train_steps = tuple(range(0, 9, 2))    # every other step of 10 (the paper's |T| = T / 2)
+
+  o = c.optim
+  o.learning_rate = 3e-4            # flow_grpo config/base.py (LoRA)
+  o.b1, o.b2, o.eps, o.weight_decay = 0.9, 0.999, 1e-8, 1e-4
+  o.warmup_steps = 0
+  o.grad_clip = 1.0
+  o.ema_power_s = 0.1
+
+  c.lora.rank = 32
+  c.lora.alpha = 64
+  c.lora.init = 'gaussian'
+  c.lora.targets = LORA_TARGETS
+
+  c.reward.fns = ml_collections.ConfigDict({'ocr': 1.0})
+  c.reward.workers = 8
+  c.reward.chunk_size = 16
+
+  cfg_scale = 4.5 if preset == 'flow_grpo' else 1.0
+  c.sd3 = ml_collections.ConfigDict(dict(
+      model='sd35_medium',           # models/sd3/family.py PRESETS
+      dit_overrides=ml_collections.ConfigDict(),
+      dtype='bfloat16', param_dtype='float32',
+      remat_policy='full',
+      attention=ml_collections.ConfigDict(dict(kernel='', block_q=512, block_kv=512, block_kv_compute=512,
+                                               min_flash_len=4096, interpret=False)),
+      checkpoint='',                 # orbax dir of converted MMDiT params ('' = random weights)
+      vae='sd35', vae_overrides=ml_collections.ConfigDict(), vae_checkpoint='', vae_seed=1, vae_batch=4,
+      text_encoders='',              # a diffusers SD3.5 pipeline folder, or 'tiny_random'
+      text_seed=0,
+      max_sequence_length=256,       # T5 tokens (diffusers' default); 77 CLIP tokens come first
+      resolution=512,
+      prompts='',                    # '' = data/ocr/flow_grpo_ocr_test.txt
+      num_eval_prompts=128,
+      guidance_rollout=cfg_scale,
+      guidance_eval=cfg_scale,
+  ))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
+
+  if smoke:
+    c.num_iterations = 2
+    c.batch_size = 2
+    c.num_rollouts = 2
+    c.checkpoint_every = 2
+    c.eval_every = -1
+    c.eval_samples = 4
+    s.num_steps = 4
+    s.eval_num_steps = 6
+    if preset == 'ddrl':
+      rl.train_steps = (0, 2)
+    c.reward.workers = 0
+    c.reward.chunk_size = 4
+    c.lora.rank = 4
+    c.lora.alpha = 8
+    sd = c.sd3
+    sd.model = 'tiny'
+    sd.dtype = 'float32'
+    sd.remat_policy = 'none'
+    sd.vae = 'tiny'
+    sd.text_encoders = 'tiny_random'
+    sd.max_sequence_length = 8
+    sd.resolution = 64
+    sd.num_eval_prompts = 4
+    sd.vae_batch = 4
+    sd.dit_overrides = ml_collections.ConfigDict(dict(in_channels=16, out_channels=16, sample_size=8,
+                                                      **_tiny_text_dims()))
+  return c
+
+
+def _tiny_text_dims():
+  """The tiny random encoders' joint and pooled widths (models/sd3/text.py tiny_random)."""
+  from ddrl_jax.models.sd3 import text  # pylint: disable=g-import-not-at-top
+  return dict(joint_attention_dim=text.TINY_JOINT_DIM, pooled_projection_dim=text.TINY_POOLED_DIM)
