@@ -48,6 +48,7 @@ from ddrl_jax.models.layers import layer_norm
 from ddrl_jax.models.layers import patchify
 from ddrl_jax.models.layers import unpatchify
 from ddrl_jax.parallel.plan import constrain
+from ddrl_jax.parallel.plan import joint_attention as plan_joint_attention
 from ddrl_jax.parallel.plan import self_attention
 
 # Logical names of activations (no-ops without a sharding plan).
@@ -276,14 +277,12 @@ def joint_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, cfg):
 
   q/k/v_img (B, S, N, Hd), q/k/v_txt (B, L, N, Hd) (q and k already RMS-normalized) -> (out_img
   (B, S, N, Hd), out_txt (B, L, N, Hd)). `cfg` is a models.attention.AttentionConfig. Every joint
-  attention of the model goes through this one function (the place to make it context-parallel).
+  attention of the model goes through this one function, which hands it to
+  `ddrl_jax.parallel.plan.joint_attention`: the local kernel without a plan, Ulysses context parallelism
+  under a plan with a context axis (image tokens 'act_seq', text tokens 'act_text', replicated over
+  context).
   """
-  s = q_img.shape[1]
-  q = jnp.concatenate([q_img, q_txt], axis=1)
-  k = jnp.concatenate([k_img, k_txt], axis=1)
-  v = jnp.concatenate([v_img, v_txt], axis=1)
-  out = attention_lib.attend(q, k, v, cfg)
-  return out[:, :s], out[:, s:]
+  return plan_joint_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, cfg)
 
 
 # ----------------------------------------------------------------------------------------------- modules
