@@ -23,7 +23,10 @@ Precision (as models/cosmos_dit.py): matmuls of the attention, MLPs, patch and c
 the final layer and both residual streams are float32.
 
 Sharding: parameters carry logical axis names and activations are constrained by logical names; every
-name used is listed in LOGICAL_RULES (with its default mesh axes) for ddrl_jax/parallel/rules.py.
+name used is listed in LOGICAL_RULES (with its default mesh axes) for ddrl_jax/parallel/rules.py. Image
+tokens are 'act_seq' (sharded over context under context parallelism), text tokens 'act_text' (replicated
+over context: L = 333 need not divide it); the joint attention is made context-parallel (Ulysses) by
+`ddrl_jax.parallel.plan.joint_attention`, attn2 by `ddrl_jax.parallel.plan.self_attention`.
 
 Parameter names follow diffusers' modules so that a key maps by a short table (sd3/convert.py):
 `transformer_blocks.{i}.<rest>` lives in `dual_blocks/<rest>` [i], `joint_blocks/<rest>` [i - k] or
@@ -70,7 +73,7 @@ LOGICAL_RULES = {
     'modulation': '',          # adaLN outputs: 6D / 9D (norm1), 6D / 2D (norm1_context), 2D (norm_out)
     'act_batch': 'data,fsdp',
     'act_seq': 'context',      # image tokens S (row-major)
-    'act_text': '',            # text tokens L
+    'act_text': '',            # text tokens L (replicated over context: parallel.plan.joint_attention)
     'act_embed': '',
     'act_heads': 'tensor',
     'act_kv': '',
