@@ -13,6 +13,9 @@ tensor. Each device runs a local kernel from `ddrl_jax.models.attention` on its 
     the ring the same way (flash-style). Only q, k, v, out and lse are saved for the backward, never the
     blocks or probabilities of each step.
 
+Joint attention (SD3's MM-DiT, `joint_ulysses_attention`): image tokens sharded over context as above,
+text tokens replicated over context (their count need not divide cp); Ulysses only (see its docstring).
+
 Batch fallback: when B does not divide the size of the batch axes (e.g. B = 1 for a network called per
 sample under `jax.vmap`), the batch dimension is replicated over them instead (spec None): every
 batch-axis replica then computes the same attention, which is correct but not data-parallel.
@@ -81,6 +84,66 @@ def ulysses_attention(q, k, v, mesh, cfg, *, batch_axes=BATCH_AXES, seq_axis='co
     return lax.all_to_all(out, seq_axis, split_axis=1, concat_axis=2, tiled=True)
 
   return _shard_map(local, mesh, (spec,) * 3, spec)(q, k, v)
+
+
+def joint_ulysses_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, mesh, cfg, *, batch_axes=BATCH_AXES,
+                            seq_axis='context', head_axis='tensor'):
+  """Ulysses joint attention (SD3's MM-DiT): full attention over the concatenated [image, text] tokens.
+
+  q/k/v_img (B, S, N, Hd) laid out as P(batch_axes, seq_axis, head_axis, None) (image tokens sharded over
+  context); q/k/v_txt (B, L, N, Hd) laid out as P(batch_axes, None, head_axis, None): the L text tokens
+  are replicated over context (L = 333 for SD3.5, in general not divisible by cp). Returns (out_img
+  (B, S, N, Hd), out_txt (B, L, N, Hd)) in the same layouts as their inputs.
+
+  Per device: the image q/k/v go through one all-to-all each (sequence-sharded, N/tp heads ->
+  all S tokens, N/(cp*tp) heads); the device takes its own slice of N/(cp*tp) heads of the replicated text
+  q/k/v locally (no communication; the slice the image all-to-all gave it); runs the local kernel over
+  [image, text] for those heads; the image output goes back by one all-to-all and the text output is
+  all-gathered over heads (so it stays replicated over context, like the text residual).
+
+  Gradients are plain autodiff: all_to_all transposes to all_to_all, the all-gather to a reduce-scatter,
+  and the cotangent of the replicated text inputs (non-zero only in each device's head slice) is summed
+  over context by shard_map's transpose.
+
+  Raises ValueError naming mesh.context when N % (cp * tp) != 0, and when S % cp != 0.
+  """
+  b, s, n, hd = q_img.shape
+  l = q_txt.shape[1]
+  for name, x, want in (('k_img', k_img, q_img.shape), ('v_img', v_img, q_img.shape),
+                        ('q_txt', q_txt, (b, l, n, hd)), ('k_txt', k_txt, (b, l, n, hd)),
+                        ('v_txt', v_txt, (b, l, n, hd))):
+    if x.shape != want:
+      raise ValueError(f'joint attention: {name} has shape {x.shape}, expected {want}')
+  cp, tp = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
+  if n % (cp * tp):
+    raise ValueError(f'Ulysses joint attention splits the N={n} heads over mesh.context x mesh.tensor = '
+                     f'{cp} x {tp} = {cp * tp} devices; they do not divide (choose mesh.context so that '
+                     f'context x tensor divides {n})')
+  if s % cp:
+    raise ValueError(f'joint attention: S={s} image tokens must be divisible by mesh.context = {cp} '
+                     f'(the image tokens are sharded over {seq_axis!r})')
+  batch = tuple(batch_axes) if batch_axes else None
+  if batch is not None and b % _axis_size(mesh, batch):
+    batch = None
+  img_spec, txt_spec = P(batch, seq_axis, head_axis, None), P(batch, None, head_axis, None)
+  n_local = n // (cp * tp)
+
+  def local(q_img, k_img, v_img, q_txt, k_txt, v_txt):
+    # Image (b, S/cp, N/tp, Hd) -> (b, S, N/(cp*tp), Hd): device i of the context axis receives head
+    # chunk i of the N/tp local heads, so it takes the same chunk of the replicated text heads.
+    to_seq = partial(lax.all_to_all, axis_name=seq_axis, split_axis=2, concat_axis=1, tiled=True)
+    start = lax.axis_index(seq_axis) * n_local
+    heads = partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=n_local, axis=2)
+    q = jnp.concatenate([to_seq(q_img), heads(q_txt)], axis=1)
+    k = jnp.concatenate([to_seq(k_img), heads(k_txt)], axis=1)
+    v = jnp.concatenate([to_seq(v_img), heads(v_txt)], axis=1)
+    out = attention.attend(q, k, v, cfg)                         # (b, S + L, N/(cp*tp), Hd)
+    out_img = lax.all_to_all(out[:, :s], seq_axis, split_axis=1, concat_axis=2, tiled=True)
+    out_txt = lax.all_gather(out[:, s:], seq_axis, axis=2, tiled=True)   # (b, L, N/tp, Hd)
+    return out_img, out_txt
+
+  return _shard_map(local, mesh, (img_spec,) * 3 + (txt_spec,) * 3, (img_spec, txt_spec))(
+      q_img, k_img, v_img, q_txt, k_txt, v_txt)
 
 
 def _ring_perm(cp):

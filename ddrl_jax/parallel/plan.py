@@ -3,8 +3,8 @@
 The trainer builds one `ShardingPlan` from the config and asks it for every sharding: parameters, the
 train state (optimizer state via optax.tree_map_params, EMA and reference like the parameters), rollout
 batches and replicated values. Traced functions run under `plan.scope(fn)`, which makes the plan the
-active one while JAX traces them; the models' `constrain(x, logical_names)` and `self_attention(...)`
-read it, and are plain no-ops / the local kernel when no plan is active (toy2d, OCR on one device,
+active one while JAX traces them; the models' `constrain(x, logical_names)`, `self_attention(...)` and
+`joint_attention(...)` read it, and are plain no-ops / the local kernel when no plan is active (toy2d, OCR on one device,
 unit tests), so models never see a mesh.
 """
 import contextlib
@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -178,17 +179,76 @@ def self_attention(q, k, v, cfg):
   (models.attention.AttentionConfig), context-parallel (Ulysses or ring over the 'context' axis, by
   `config.sharding.context_impl`) when the active plan has a context axis > 1; else the local kernel
   and GSPMD."""
+  plan = _context_plan()
+  if plan is None:
+    return attention_lib.attend(q, k, v, cfg)
+  return context_lib.context_attention(q, k, v, plan.mesh, cfg, plan.context_impl,
+                                       batch_axes=_used_axes(plan, 'act_batch'), seq_axis='context',
+                                       head_axis='tensor')
+
+
+def _used_axes(plan, name):
+  """The mesh axes of size > 1 that the rule `name` uses."""
+  return tuple(a for a in plan.rules[name] if plan.axis_sizes.get(a, 1) > 1)
+
+
+def _context_plan():
+  """The active plan when attention is to run context-parallel (a context axis > 1 and context_impl
+  other than 'none'), after checking its rules fit; else None (the local kernel and GSPMD)."""
   plan = current()
   if plan is None or plan.context_impl == 'none' or plan.axis_sizes.get('context', 1) == 1:
-    return attention_lib.attend(q, k, v, cfg)
-  axes = lambda name: tuple(a for a in plan.rules[name] if plan.axis_sizes.get(a, 1) > 1)
-  seq, heads = axes('act_seq'), axes('act_heads')
+    return None
+  seq, heads = _used_axes(plan, 'act_seq'), _used_axes(plan, 'act_heads')
   if seq != ('context',) or heads not in ((), ('tensor',)):
     raise ValueError(f"context-parallel attention needs config.sharding.rules.act_seq='context' and "
                      f"act_heads 'tensor' or ''; got act_seq={seq}, act_heads={heads}")
-  return context_lib.context_attention(q, k, v, plan.mesh, cfg, plan.context_impl,
-                                       batch_axes=axes('act_batch'), seq_axis='context',
-                                       head_axis='tensor')
+  return plan
+
+
+def _local_joint_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, cfg):
+  """The local kernel over the concatenated [image, text] tokens."""
+  s = q_img.shape[1]
+  q = jnp.concatenate([q_img, q_txt], axis=1)
+  k = jnp.concatenate([k_img, k_txt], axis=1)
+  v = jnp.concatenate([v_img, v_txt], axis=1)
+  out = attention_lib.attend(q, k, v, cfg)
+  return out[:, :s], out[:, s:]
+
+
+def joint_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, cfg):
+  """Joint (MM-DiT, SD3) attention: full attention over the concatenated [image, text] tokens.
+
+  q/k/v_img (B, S, N, Hd), q/k/v_txt (B, L, N, Hd) -> (out_img (B, S, N, Hd), out_txt (B, L, N, Hd)),
+  with the local kernel of `cfg` (models.attention.AttentionConfig).
+
+  Without an active plan, with a context axis of size 1 or with context_impl 'none': the local kernel
+  over the concatenated sequence (GSPMD partitions it). With a context axis > 1 and context_impl
+  'ulysses': `context.joint_ulysses_attention`, where the image tokens are sharded over 'context'
+  (the 'act_seq' rule) and the text tokens are replicated over it (the 'act_text' rule must not use
+  'context'; L = 333 for SD3.5 does not divide in general): Ulysses all-to-alls turn the image q/k/v into
+  all tokens / a slice of the heads, each device takes the same head slice of the text q/k/v locally,
+  attends over [image, text], sends the image output back sequence-sharded and all-gathers the text
+  output over heads (the text residual stays replicated over context). Heads must divide context x tensor
+  (ValueError naming mesh.context otherwise).
+
+  context_impl 'ring' raises ValueError: a ring over the image K/V blocks would also have to merge the
+  replicated text K/V into every image query and give every text query all image K/V (a second,
+  lse-merged reduction over context); not implemented, SD3 needs 'ulysses'.
+  """
+  plan = _context_plan()
+  if plan is None:
+    return _local_joint_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, cfg)
+  if plan.context_impl != 'ulysses':
+    raise ValueError(f"SD3's joint attention is context-parallel with config.sharding.context_impl='ulysses' "
+                     f"only; got {plan.context_impl!r} on mesh.context = {plan.axis_sizes['context']} (ring "
+                     f"joint attention is not implemented; use 'ulysses', or 'none' for GSPMD)")
+  text = _used_axes(plan, 'act_text')
+  if 'context' in text:
+    raise ValueError(f"joint attention keeps the text tokens replicated over 'context'; "
+                     f"config.sharding.rules.act_text uses it ({text})")
+  return context_lib.joint_ulysses_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, plan.mesh, cfg,
+                                             batch_axes=_used_axes(plan, 'act_batch'),
+                                             seq_axis='context', head_axis='tensor')
 
 
 def place(tree, shardings):

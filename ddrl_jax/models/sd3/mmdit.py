@@ -23,7 +23,10 @@ Precision (as models/cosmos_dit.py): matmuls of the attention, MLPs, patch and c
 the final layer and both residual streams are float32.
 
 Sharding: parameters carry logical axis names and activations are constrained by logical names; every
-name used is listed in LOGICAL_RULES (with its default mesh axes) for ddrl_jax/parallel/rules.py.
+name used is listed in LOGICAL_RULES (with its default mesh axes) for ddrl_jax/parallel/rules.py. Image
+tokens are 'act_seq' (sharded over context under context parallelism), text tokens 'act_text' (replicated
+over context: L = 333 need not divide it); the joint attention is made context-parallel (Ulysses) by
+`ddrl_jax.parallel.plan.joint_attention`, attn2 by `ddrl_jax.parallel.plan.self_attention`.
 
 Parameter names follow diffusers' modules so that a key maps by a short table (sd3/convert.py):
 `transformer_blocks.{i}.<rest>` lives in `dual_blocks/<rest>` [i], `joint_blocks/<rest>` [i - k] or
@@ -48,6 +51,7 @@ from ddrl_jax.models.layers import layer_norm
 from ddrl_jax.models.layers import patchify
 from ddrl_jax.models.layers import unpatchify
 from ddrl_jax.parallel.plan import constrain
+from ddrl_jax.parallel.plan import joint_attention as plan_joint_attention
 from ddrl_jax.parallel.plan import self_attention
 
 # Logical names of activations (no-ops without a sharding plan).
@@ -69,7 +73,7 @@ LOGICAL_RULES = {
     'modulation': '',          # adaLN outputs: 6D / 9D (norm1), 6D / 2D (norm1_context), 2D (norm_out)
     'act_batch': 'data,fsdp',
     'act_seq': 'context',      # image tokens S (row-major)
-    'act_text': '',            # text tokens L
+    'act_text': '',            # text tokens L (replicated over context: parallel.plan.joint_attention)
     'act_embed': '',
     'act_heads': 'tensor',
     'act_kv': '',
@@ -276,14 +280,12 @@ def joint_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, cfg):
 
   q/k/v_img (B, S, N, Hd), q/k/v_txt (B, L, N, Hd) (q and k already RMS-normalized) -> (out_img
   (B, S, N, Hd), out_txt (B, L, N, Hd)). `cfg` is a models.attention.AttentionConfig. Every joint
-  attention of the model goes through this one function (the place to make it context-parallel).
+  attention of the model goes through this one function, which hands it to
+  `ddrl_jax.parallel.plan.joint_attention`: the local kernel without a plan, Ulysses context parallelism
+  under a plan with a context axis (image tokens 'act_seq', text tokens 'act_text', replicated over
+  context).
   """
-  s = q_img.shape[1]
-  q = jnp.concatenate([q_img, q_txt], axis=1)
-  k = jnp.concatenate([k_img, k_txt], axis=1)
-  v = jnp.concatenate([v_img, v_txt], axis=1)
-  out = attention_lib.attend(q, k, v, cfg)
-  return out[:, :s], out[:, s:]
+  return plan_joint_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, cfg)
 
 
 # ----------------------------------------------------------------------------------------------- modules
