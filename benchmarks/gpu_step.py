@@ -4,6 +4,12 @@
   python benchmarks/gpu_step.py --frames=29                       # an H200 (flags below)
   JAX_PLATFORMS=cpu python benchmarks/gpu_step.py --tiny          # tiny model on the CPU (the test's run)
   JAX_PLATFORMS=cpu python benchmarks/gpu_step.py --topology=v5p-8 --compile_only   # memory, no chip
+  python benchmarks/gpu_step.py --config=configs/sd35m.py:flow_grpo     # another family's recipe
+  JAX_PLATFORMS=cpu python benchmarks/gpu_step.py --config=configs/sd35m.py:flow_grpo_smoke --tiny
+
+--config=FILE[:ARG] runs that config's own recipe and shapes (any model family, with its LoRA adapters:
+the frozen base in the compute dtype, adapter-sized optimizer state, as the trainer holds them) on one
+device with --groups x --rollouts slots; the video-shape flags below apply to the Cosmos default only.
 
 What runs: configs/cosmos2b.py's DDRL recipe and the video task (ddrl_jax/tasks/video.py) at the shape
 the flags choose, on a one-device mesh, through the trainer's own jitted functions
@@ -40,6 +46,7 @@ GiB, 59 s). The default iteration is 81 forwards x 2 slots x 3.04e13 FLOPs = 4.9
 """
 import argparse
 import concurrent.futures
+import importlib.util
 import json
 import math
 import os
@@ -69,6 +76,7 @@ from ddrl_jax import tasks  # pylint: disable=wrong-import-position
 from ddrl_jax import update as update_lib  # pylint: disable=wrong-import-position
 from ddrl_jax import xla_flags  # pylint: disable=wrong-import-position
 from ddrl_jax.models import attention as attention_lib  # pylint: disable=wrong-import-position
+from ddrl_jax.models import lora as lora_lib  # pylint: disable=wrong-import-position
 from ddrl_jax.models.cosmos import dit as cosmos_dit  # pylint: disable=wrong-import-position
 from ddrl_jax.parallel import topology as topology_lib  # pylint: disable=wrong-import-position
 
@@ -81,7 +89,10 @@ VAE_TIME, VAE_SPACE, PATCH = 4, 8, 2     # Wan2.1: 4x temporal, 8x spatial; the 
 
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--tiny', action='store_true', help='the tiny DiT and VAE of cosmos2b:smoke (CPU)')
+  p.add_argument('--config', default='', help="FILE[:ARG], e.g. configs/sd35m.py:flow_grpo ('': the "
+                                              "Cosmos 2B recipe at the shape flags)")
+  p.add_argument('--tiny', action='store_true', help='the tiny DiT and VAE of cosmos2b:smoke (CPU); with '
+                                                     '--config: allow the CPU (a *_smoke config)')
   p.add_argument('--frames', type=int, help='video frames, 4k + 1 (13; tiny 5)')
   p.add_argument('--height', type=int, help='pixels, a multiple of 16 (480; tiny 32)')
   p.add_argument('--width', type=int, help='pixels, a multiple of 16 (832; tiny 32)')
@@ -141,8 +152,27 @@ def attention_kernel(flag, platform, dtype):
   return attention_lib.resolve(flag, platform)
 
 
+def load_config(spec):
+  """`FILE[:ARG]` -> FILE's get_config(ARG) (ml_collections' config-file convention)."""
+  path, _, arg = spec.partition(':')
+  path = path if os.path.isabs(path) else os.path.join(_ROOT, path)
+  if not os.path.exists(path):
+    raise ValueError(f'--config={spec!r}: no file {path}')
+  module_spec = importlib.util.spec_from_file_location('gpu_step_config', path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
 def make_config(args, platform):
-  """configs/cosmos2b.py (':smoke' with --tiny) on a one-device mesh at the flags' shape."""
+  """--config's recipe, or configs/cosmos2b.py (':smoke' with --tiny) at the flags' shape; on a
+  one-device mesh with --groups x --rollouts slots."""
+  if args.config:
+    c = load_config(args.config)
+    c.batch_size, c.num_rollouts = args.groups, args.rollouts
+    c.mesh.update(data=1, fsdp=1, context=1, tensor=1)
+    c.sharding.context_impl = 'none'
+    return c
   c = cosmos2b.get_config('smoke' if args.tiny else '')
   c.batch_size, c.num_rollouts = args.groups, args.rollouts
   c.mesh.update(data=1, fsdp=1, context=1, tensor=1)
@@ -237,12 +267,15 @@ def build(config, device):
   """(task, step fns, abstract args per function, state shardings, plan) on a one-device mesh."""
   config_lib.validate(config, 1)
   mesh = parallel.make_mesh(config.mesh, [device])
-  plan = parallel.ShardingPlan.from_config(config, mesh)
   task = tasks.get_task(config)
+  plan = parallel.ShardingPlan.for_model(config, mesh, task.family)
   optimizer = optim.make_optimizer(config.optim)
   apply_fn, abstract_params = task.abstract_params(jax.random.key(config.seed))
-  abstract_state = jax.eval_shape(lambda p: update_lib.init_train_state(p, config, optimizer),
-                                  abstract_params)
+  trained, frozen = lora_lib.split(abstract_params, lora_lib.from_config(config))
+  if frozen is not None and task.cast_params is not None:    # the frozen base in the compute dtype
+    frozen = jax.eval_shape(task.cast_params, frozen)
+  abstract_state = jax.eval_shape(lambda p, f: update_lib.init_train_state(p, config, optimizer, f),
+                                  trained, frozen)
   state_sh = plan.state(abstract_state, optimizer)
   fns = update_lib.build_step_fns(config, plan, state_sh, apply_fn, update_lib.make_sampler(config),
                                   task.sample_shape, optimizer, task.cast_params)
@@ -251,21 +284,27 @@ def build(config, device):
 
 
 def init_state(task, config, optimizer, state_sh, seed):
-  """The train state on the device: random params initialized under jit with their shardings."""
-  params = task.init_params_sharded(jax.random.key(seed), state_sh.params)
-  init = jax.jit(lambda p: update_lib.init_train_state(p, config, optimizer),
-                 in_shardings=(state_sh.params,), out_shardings=state_sh)
-  return init(params)
+  """The train state on the device: random params initialized under jit with their shardings (under
+  LoRA: the adapters trained, the base frozen in the compute dtype)."""
+  spec = lora_lib.from_config(config)
+  params = task.init_params_sharded(jax.random.key(seed),
+                                    lora_lib.combine(state_sh.params, state_sh.frozen))
+  trained, frozen = lora_lib.split(params, spec)
+  cast = task.cast_params if frozen is not None and task.cast_params is not None else (lambda f: f)
+  init = jax.jit(lambda p, f: update_lib.init_train_state(p, config, optimizer, cast(f)),
+                 in_shardings=(state_sh.params, state_sh.frozen), out_shardings=state_sh)
+  return init(trained, frozen)
 
 
 def run_iteration(compiled, state, inputs, key):
   """One timed iteration: (state, {'rollout', 'data_grad', 'update': seconds}, update metrics, nfe)."""
   slot_cond, data, rewards = inputs
   t0 = time.perf_counter()
-  traj = jax.block_until_ready(compiled['rollout'](state.params, slot_cond, key))
+  params = update_lib.model_params(state)        # with the frozen base under LoRA
+  traj = jax.block_until_ready(compiled['rollout'](params, slot_cond, key))
   t1 = time.perf_counter()
   batch = update_lib.RolloutBatch(traj=traj, rewards=rewards, cond=slot_cond)
-  grads, _ = jax.block_until_ready(compiled['data_grads'](state.params, batch, data, key))
+  grads, _ = jax.block_until_ready(compiled['data_grads'](params, batch, data, key))
   t2 = time.perf_counter()
   state, metrics = compiled['update'](state, batch, grads, key)
   metrics = jax.device_get(metrics)
@@ -275,6 +314,11 @@ def run_iteration(compiled, state, inputs, key):
 
 
 def shape_report(config, task):
+  if config.task != 'video':
+    return dict(family=task.family.name, sample_shape=list(task.sample_shape), groups=config.batch_size,
+                rollouts=config.num_rollouts, num_steps=config.sampler.num_steps,
+                train_steps=list(config_lib.train_steps(config)), lora_rank=config.lora.rank,
+                dtype=task.compute_dtype, remat=task.family.remat_policy)
   cc = config.cosmos
   lt, lh, lw = cc.latent_shape
   p = task.dit.patch

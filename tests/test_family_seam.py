@@ -8,6 +8,7 @@ import pytest
 
 from configs import cosmos2b
 from configs import ocr_tiny
+from configs import sd35m
 from configs import toy2d
 from ddrl_jax import checkpoints
 from ddrl_jax import config as config_lib
@@ -67,7 +68,7 @@ def test_no_task_attribute_probing(path):
 
 
 CONFIGS = {'cosmos': lambda: cosmos2b.get_config('smoke'), 'cosmos_t2i': ocr_tiny.get_config,
-           'mlp': toy2d.get_config}
+           'mlp': toy2d.get_config, 'sd3': lambda: sd35m.get_config('flow_grpo_smoke')}
 
 
 @pytest.mark.parametrize('name', sorted(family_lib.FAMILIES))
@@ -130,4 +131,6 @@ def test_unsupported_ability_names_the_task():
 
 
 def test_converters_come_from_the_families():
-  assert set(family_lib.converters()) == {'cosmos2b', 'cosmos14b', 'cosmos_tiny', 'wan21_vae', 'wan_tiny'}
+  assert set(family_lib.converters()) == {'cosmos2b', 'cosmos14b', 'cosmos_tiny', 'wan21_vae', 'wan_tiny',
+                                          'sd35_medium', 'sd35_large', 'sd3_tiny', 'sd35_vae',
+                                          'sd3_vae_tiny'}

@@ -90,3 +90,13 @@ def test_shape_flags_are_checked(gpu_step):
     gpu_step.parse_steps('0,x', 20)
   with pytest.raises(SystemExit):
     gpu_step.parse_args(['--topology=v5p-8'])                         # compile-only targets only
+
+
+@pytest.mark.slow
+def test_another_family_runs_through_config(gpu_step, capsys):
+  """--config takes any family's recipe (SD3.5 with LoRA: adapters trained, the base frozen)."""
+  report = gpu_step.main(['--config=configs/sd35m.py:flow_grpo_smoke', '--tiny', '--iterations=1'])
+  capsys.readouterr()
+  assert 'error' not in report, report.get('error')
+  assert report['shape']['family'] == 'sd3' and report['shape']['lora_rank'] == 4
+  assert report['loss_finite'] and report['time_iteration_s'] > 0

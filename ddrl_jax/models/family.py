@@ -146,6 +146,24 @@ def converters():
   return out
 
 
+DTYPES = {'float32': jax.numpy.float32, 'bfloat16': jax.numpy.bfloat16}
+
+
+def preset_config(presets, section, key):
+  """A model config from a config section: presets[section.model] with section.dit_overrides, the
+  section's dtype, param_dtype, remat_policy and (when present) attention kernel settings. `key` names
+  the section in errors ('config.cosmos')."""
+  from ddrl_jax.models import attention as attention_lib  # pylint: disable=g-import-not-at-top
+  if section.model not in presets:
+    raise ValueError(f'{key}.model={section.model!r}: unknown preset; known: {sorted(presets)}')
+  kw = dict(section.dit_overrides) if section.get('dit_overrides') else {}
+  kw.update(dtype=DTYPES[section.dtype], param_dtype=DTYPES[section.param_dtype],
+            remat_policy=section.remat_policy)
+  if section.get('attention') is not None:
+    kw['attention'] = attention_lib.AttentionConfig(**dict(section.attention))
+  return presets[section.model](**kw)
+
+
 # ------------------------------------------------------------------------------ generic parameters
 def _with_adapters(module, lora, key):
   """`module` with config.lora's adapters; unchanged when it has no `layers.Dense` at all (the trainer

@@ -265,3 +265,18 @@ def local_data_parallel(fn):
   call.place = lambda state: jax.device_put(state, replicated)
   call.num_devices = len(devices)
   return call
+
+
+def in_chunks(call, state, x, per_device):
+  """`call(state, chunk)` (a `local_data_parallel` function) over x in chunks of per_device rows per local
+  device, the last one zero-padded to the full size (one compiled shape, and a row's result does not
+  depend on how the rows were batched); the outputs of x's rows concatenated, as a tuple."""
+  x = np.asarray(x)
+  step = per_device * call.num_devices
+  outs = []
+  for s in range(0, x.shape[0], step):
+    chunk = x[s:s + step]
+    padded = np.zeros((step,) + chunk.shape[1:], chunk.dtype)
+    padded[:len(chunk)] = chunk
+    outs.append(tuple(np.asarray(o)[:len(chunk)] for o in call(state, padded)))
+  return tuple(np.concatenate(parts) for parts in zip(*outs))

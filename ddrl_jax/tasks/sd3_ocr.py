@@ -223,17 +223,7 @@ class SD3OCR(base.FamilyTask):
     """(M, 16, h, w) latents -> (uint8 images (M, H, W, 3), finite (M,)), in chunks of config.sd3.vae_batch
     per local device (the last chunk zero-padded: one compiled shape)."""
     _, _, decode_u8, local_state = self._vae_fns()
-    latents = np.asarray(latents, np.float32)
-    step = self.c.vae_batch * decode_u8.num_devices
-    images, finite = [], []
-    for s in range(0, latents.shape[0], step):
-      chunk = latents[s:s + step]
-      padded = np.zeros((step,) + chunk.shape[1:], np.float32)
-      padded[:len(chunk)] = chunk
-      u8, ok = decode_u8(local_state, padded)
-      images.append(np.asarray(u8)[:len(chunk)])
-      finite.append(np.asarray(ok)[:len(chunk)])
-    return np.concatenate(images), np.concatenate(finite)
+    return hosts.in_chunks(decode_u8, local_state, np.asarray(latents, np.float32), self.c.vae_batch)
 
   @property
   def media_shape(self):

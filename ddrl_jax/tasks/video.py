@@ -213,18 +213,9 @@ class CosmosVideo(base.FamilyTask):
     """(M, 16, T, H, W) latents -> (uint8 videos (M, F, H, W, 3), finite (M,) bool), decoded in chunks
     of config.cosmos.vae_batch per local device, data parallel over this host's devices."""
     _, _, decode_u8 = self._vae_fns()
-    latents = np.asarray(latents, np.float32)
-    videos, finite = [], []
-    step = self.c.vae_batch * decode_u8.num_devices     # config.cosmos.vae_batch videos per device
-    for s in range(0, latents.shape[0], step):
-      chunk = latents[s:s + step]
-      padded = np.zeros((step,) + chunk.shape[1:], np.float32)   # one compiled shape for every chunk
-      padded[:len(chunk)] = chunk
-      u8, ok = decode_u8(self._vae_local_state, padded)
-      u8, ok = u8[:len(chunk)], ok[:len(chunk)]
-      videos.append(np.asarray(u8).transpose(0, 2, 3, 4, 1))
-      finite.append(np.asarray(ok))
-    return np.concatenate(videos), np.concatenate(finite)
+    u8, finite = hosts.in_chunks(decode_u8, self._vae_local_state, np.asarray(latents, np.float32),
+                                 self.c.vae_batch)
+    return u8.transpose(0, 2, 3, 4, 1), finite
 
   def prompts(self, cond):
     """The prompt text of each condition (index into the built-in prompts)."""

@@ -23,7 +23,6 @@ from ddrl_jax.models.cosmos import dit as cosmos_dit
 from ddrl_jax.models.cosmos import t2i as cosmos_t2i
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 PRESETS = {'cosmos2b': cosmos_dit.cosmos2b, 'cosmos14b': cosmos_dit.cosmos14b, 'tiny': cosmos_dit.tiny}
 OCR_IMAGE_SIZE = (32, 96)        # tasks/text_render.py's HEIGHT, WIDTH
 
@@ -41,13 +40,7 @@ SEQUENCE_NAMES = ('act_frames', 'act_seq')
 
 def dit_config(c):
   """CosmosDiTConfig from config.cosmos: preset ('cosmos2b', 'cosmos14b', 'tiny') + overrides."""
-  if c.model not in PRESETS:
-    raise ValueError(f'config.cosmos.model={c.model!r}: unknown preset; known: {sorted(PRESETS)}')
-  kw = dict(c.dit_overrides) if c.get('dit_overrides') else {}
-  kw.update(dtype=DTYPES[c.dtype], param_dtype=DTYPES[c.param_dtype], remat_policy=c.remat_policy)
-  if c.get('attention') is not None:
-    kw['attention'] = attention_lib.AttentionConfig(**dict(c.attention))
-  return PRESETS[c.model](**kw)
+  return family_lib.preset_config(PRESETS, c, 'config.cosmos')
 
 
 def make_video_apply_fn(graphdef, cond_timestep):

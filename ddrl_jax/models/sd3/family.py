@@ -25,7 +25,6 @@ from ddrl_jax.models.sd3 import vae as sd3_vae
 from ddrl_jax.models.sd3 import vae_convert
 from ddrl_jax.parallel import rules as rules_lib
 
-DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 PRESETS = {'sd35_medium': mmdit.sd35_medium, 'sd35_large': mmdit.sd35_large, 'tiny': mmdit.tiny}
 CLIP_TOKENS = 77            # CLIP-L/G's sequence, before T5's max_sequence_length tokens
 
@@ -35,13 +34,7 @@ LOGICAL_RULES = {k: v for k, v in mmdit.LOGICAL_RULES.items() if k not in rules_
 
 def dit_config(c):
   """MMDiTConfig from config.sd3: preset + overrides + dtypes, remat and attention kernel."""
-  if c.model not in PRESETS:
-    raise ValueError(f'config.sd3.model={c.model!r}: unknown preset; known: {sorted(PRESETS)}')
-  kw = dict(c.dit_overrides) if c.get('dit_overrides') else {}
-  kw.update(dtype=DTYPES[c.dtype], param_dtype=DTYPES[c.param_dtype], remat_policy=c.remat_policy)
-  if c.get('attention') is not None:
-    kw['attention'] = attention_lib.AttentionConfig(**dict(c.attention))
-  return PRESETS[c.model](**kw)
+  return family_lib.preset_config(PRESETS, c, 'config.sd3')
 
 
 def text_tokens(c):
