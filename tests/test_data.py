@@ -27,7 +27,8 @@ def make_record(i, *, pixels=False):
     return dict(prompt=f'pixels {i}', sample=rs.randint(0, 256, (2, 4, 4, 3)).astype(np.uint8))
   return dict(prompt=f'prompt {i} \u00e9', sample=rs.randn(16, 2, 4, 4).astype(np.float32),
               text_embedding=rs.randn(5, 8).astype(np.float32),
-              first_frame=rs.randn(16, 1, 4, 4).astype(np.float32), meta={'file': f'f{i}.png', 'i': i})
+              first_frame=rs.randn(16, 1, 4, 4).astype(np.float32),
+              pooled_embedding=rs.randn(6).astype(np.float32), meta={'file': f'f{i}.png', 'i': i})
 
 
 def assert_same_record(got, want):

@@ -1,0 +1,74 @@
+"""AOT fit proofs of the SD3.5-Medium recipes (configs/sd35m.py) on v5p slices: per-chip HBM of each function
+at each preset's batch, one subprocess per (preset, topology, function), resumable.
+
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_sd3.py [--presets=ddrl,flow_grpo,diffusion_nft]
+      [--topologies=v5p-8,v5p-16] [--out=benchmarks/aot_sd3.jsonl]
+
+Each row is `python -m ddrl_jax.aot`'s JSON line plus `preset`; a compile that kills the process (libtpu
+has segfaulted on programs far over a chip's HBM instead of answering RESOURCE_EXHAUSTED) is recorded as
+{"fits": false, "error": "compiler process died with signal N"}. Rows already in --out are skipped, so
+an interrupted sweep resumes. A topology is tried for a preset only while the smaller ones did not fit.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FUNCTIONS = ('rollout', 'data_grads', 'update')
+
+
+def done_rows(path):
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def compile_one(preset, topology, fn, timeout_s):
+  """The aot row of one function (or a failure row)."""
+  cmd = [sys.executable, '-m', 'ddrl_jax.aot', f'--config=configs/sd35m.py:{preset}',
+         f'--topology={topology}', f'--fns={fn}']
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  try:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
+  except subprocess.TimeoutExpired:
+    return dict(fn=fn, topology=topology, fits=None, error=f'compile over {timeout_s} s')
+  rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{')]
+  if rows:
+    return rows[-1]
+  why = (f'compiler process died with signal {-proc.returncode}' if proc.returncode < 0 else
+         f'exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1][:300] if proc.stderr else ""}')
+  return dict(fn=fn, topology=topology, fits=False, error=why)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--presets', default='ddrl,flow_grpo,diffusion_nft')
+  p.add_argument('--topologies', default='v5p-8,v5p-16,v5p-32')
+  p.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'aot_sd3.jsonl'))
+  p.add_argument('--timeout_s', type=int, default=1500)
+  args = p.parse_args()
+  rows = done_rows(args.out)
+  have = {(r['preset'], r['topology'], r['fn']) for r in rows}
+  for preset in args.presets.split(','):
+    for topology in args.topologies.split(','):
+      for fn in FUNCTIONS:
+        if (preset, topology, fn) in have:
+          continue
+        row = dict(compile_one(preset, topology, fn, args.timeout_s), preset=preset)
+        rows.append(row)
+        with open(args.out, 'a') as f:
+          f.write(json.dumps(row) + '\n')
+        print(json.dumps({k: row.get(k) for k in ('preset', 'topology', 'fn', 'peak_bytes', 'fits',
+                                                   'spare_fraction', 'error')}), flush=True)
+      fitted = [r for r in rows if r['preset'] == preset and r['topology'] == topology]
+      if len(fitted) == len(FUNCTIONS) and all(r.get('fits') and r.get('spare_fraction', 0) >= 0.1
+                                               for r in fitted):
+        break           # the smallest slice with 10% to spare: larger ones are not needed
+
+
+if __name__ == '__main__':
+  main()
