@@ -15,6 +15,7 @@ from ddrl_jax import config as config_lib
 from ddrl_jax import parallel
 from ddrl_jax import tasks
 from ddrl_jax.models import family as family_lib
+from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.tasks import base
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,25 +68,45 @@ def test_no_task_attribute_probing(path):
   assert not hits, '\n'.join(hits)
 
 
+def _wan_config():
+  """The 'wan' family's section alone (its task and configs come with the Wan recipes)."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from configs import common  # pylint: disable=g-import-not-at-top
+  c = common.base_config()
+  c.model_family = 'wan'
+  c.wan = ml_collections.ConfigDict(dict(
+      model='tiny', dit_overrides=ml_collections.ConfigDict(), dtype='float32', param_dtype='float32',
+      remat_policy='none', checkpoint='', latent_shape=(2, 4, 4), text_length=8, guidance_rollout=1.0,
+      guidance_eval=1.0))
+  common.use_family_rules(c, 'wan')
+  return c
+
+
 CONFIGS = {'cosmos': lambda: cosmos2b.get_config('smoke'), 'cosmos_t2i': ocr_tiny.get_config,
-           'mlp': toy2d.get_config, 'sd3': lambda: sd35m.get_config('flow_grpo_smoke')}
+           'mlp': toy2d.get_config, 'sd3': lambda: sd35m.get_config('flow_grpo_smoke'), 'wan': _wan_config}
+SAMPLE_SHAPES = {'wan': (16, 2, 4, 4)}
 
 
 @pytest.mark.parametrize('name', sorted(family_lib.FAMILIES))
 def test_registered_family_keeps_the_protocol(name):
   """Every registered family builds, adapts its velocity, counts FLOPs, and its rules are merged into its
-  configs (so the sharding plan knows every logical name the model uses)."""
+  configs (so the sharding plan knows every logical name the model uses); its task, where it has one,
+  is a FamilyTask holding it."""
   config = CONFIGS[name]()
-  task = tasks.get_task(config)
-  family = task.family
-  assert family.name == name == tasks.get_family(config).name
-  assert isinstance(task, base.FamilyTask)
+  family = tasks.get_family(config) if config.task else family_lib.from_config(config)
+  assert family.name == name
   for attr in ('build', 'apply_fn', 'load_base', 'forward_flops', 'attention_shape', 'attention_kernel',
                'logical_rules', 'sequence_names', 'compute_cast', 'exporter'):
     assert callable(getattr(family, attr)), attr
-  apply_fn, abstract = task.abstract_params(jax.random.key(0))
+  _, abstract, module = family_lib.abstract_params(family, lora_lib.from_config(config), jax.random.key(0))
   assert jax.tree.leaves(abstract)
-  assert task.forward_flops_per_sample() > 0
+  assert family.compute_cast(module) is None or callable(family.compute_cast(module))
+  if config.task:
+    task = tasks.get_task(config)
+    assert isinstance(task, base.FamilyTask) and task.family.name == name
+    assert task.forward_flops_per_sample() > 0
+  else:
+    assert family.forward_flops(SAMPLE_SHAPES[name]) > 0
   for key, axes in family.logical_rules().items():
     assert config.sharding.rules[key] == axes
   plan = parallel.ShardingPlan.for_model(config, parallel.make_mesh(config.mesh, jax.devices()[:1]), family)
@@ -133,4 +154,4 @@ def test_unsupported_ability_names_the_task():
 def test_converters_come_from_the_families():
   assert set(family_lib.converters()) == {'cosmos2b', 'cosmos14b', 'cosmos_tiny', 'wan21_vae', 'wan_tiny',
                                           'sd35_medium', 'sd35_large', 'sd3_tiny', 'sd35_vae',
-                                          'sd3_vae_tiny'}
+                                          'sd3_vae_tiny', 'wan1_3b', 'wan14b', 'wan_dit_tiny'}

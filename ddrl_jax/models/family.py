@@ -32,8 +32,9 @@ FAMILIES = {
     'cosmos_t2i': 'ddrl_jax.models.cosmos.family',      # the DiT on one frame with a byte text encoder
     'mlp': 'ddrl_jax.models.mlp',                        # the 2-D velocity MLP of the toy task
     'sd3': 'ddrl_jax.models.sd3.family',                 # SD3 / SD3.5 MMDiT (diffusers SD3Transformer2DModel)
+    'wan': 'ddrl_jax.models.wan.family',                 # Wan2.1 text-to-video DiT (WanTransformer3DModel)
 }
-# Modules holding converters only (no trainable family yet): read by `converters()`.
+# Modules whose CONVERTERS `converters()` collects.
 CONVERTER_MODULES = ('ddrl_jax.models.cosmos.family', 'ddrl_jax.models.wan.family',
                      'ddrl_jax.models.sd3.family')
 

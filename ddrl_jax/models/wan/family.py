@@ -1,11 +1,110 @@
-"""Wan2.1 converters for `python -m ddrl_jax.models.convert` (the VAE; the DiT family joins later).
+"""Wan2.1 as a model family ('wan': the text-to-video DiT, `transformer.WanDiT`), and the Wan converters
+for `python -m ddrl_jax.models.convert` (the DiT from a diffusers `transformer/` folder, the VAE).
+
+The family reads config.wan: the DiT preset ('wan1_3b', 'wan14b', 'tiny') and overrides, dtypes, remat,
+the attention kernel, the converted checkpoint, the latent shape (T, H, W) and the text length (UMT5,
+padded to 512 as the diffusers pipeline pads it). Wan is a rectified flow whose network predicts
+eps - x0 from timestep = 1000 t: the library's convention. Conditions: {'text': (B, L, 4096)}; with
+classifier-free guidance also 'guidance' (B,) and 'null_text' (the empty prompt's embedding):
+v = v_null + w (v_cond - v_null) from one forward of 2B.
 
 Original Wan2.1 VAE names (`Wan2.1_VAE.pth`, Cosmos' `tokenizer.pth`) are renamed to diffusers'
 `AutoencoderKLWan` names first (`models.convert.wan_original_to_diffusers`).
 """
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+
+from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import family as family_lib
+from ddrl_jax.models import layers
+from ddrl_jax.models.wan import transformer as wan_dit
+from ddrl_jax.models.wan import transformer_convert
 from ddrl_jax.models.wan import vae as wan_vae
 from ddrl_jax.models.wan import vae_convert
+
+PRESETS = {'wan1_3b': wan_dit.wan1_3b, 'wan14b': wan_dit.wan14b, 'tiny': wan_dit.tiny}
+LOGICAL_RULES = dict(wan_dit.LOGICAL_RULES)
+
+
+def make_apply_fn(graphdef, cfg_on):
+  """apply_fn(params, x_t (B, 16, T, H, W), t (B,), cond) -> velocity (see the module docstring)."""
+
+  def apply_fn(params, x_t, t, cond):
+    params = jax.tree.map(lambda a: a, params)     # NNX Variables at this trace level
+    model = nnx.merge(graphdef, params)
+    b = x_t.shape[0]
+    timestep = jnp.reshape(t, (b,)).astype(jnp.float32) * 1000.0
+    if not cfg_on:
+      return model(x_t, timestep, cond['text']).astype(jnp.float32)
+    both = model(jnp.concatenate([x_t, x_t]), jnp.concatenate([timestep, timestep]),
+                 jnp.concatenate([cond['text'], cond['null_text']])).astype(jnp.float32)
+    v_cond, v_null = jnp.split(both, 2)
+    w = jnp.reshape(cond['guidance'], (b,) + (1,) * (x_t.ndim - 1)).astype(jnp.float32)
+    return v_null + w * (v_cond - v_null)
+
+  return apply_fn
+
+
+class WanFamily:
+  """Wan2.1's text-to-video DiT on (16, T, H, W) latents, from config.wan."""
+
+  name = 'wan'
+  resume_safe_keys = ('wan.checkpoint', 'wan.vae_checkpoint', 'wan.text_encoder')
+
+  def __init__(self, config):
+    self.c = config.wan
+    self.dit = family_lib.preset_config(PRESETS, self.c, 'config.wan')
+    self.cfg_on = self.c.guidance_rollout != 1.0 or self.c.guidance_eval != 1.0
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dit.dtype).name
+
+  @property
+  def remat_policy(self):
+    return self.dit.remat_policy
+
+  def build(self, key):
+    return wan_dit.WanDiT(self.dit, rngs=nnx.Rngs(key))
+
+  def apply_fn(self, graphdef):
+    return make_apply_fn(graphdef, self.cfg_on)
+
+  def load_base(self, abstract_base):
+    if not self.c.checkpoint:
+      return None
+    from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
+    return convert.load_converted_like(self.c.checkpoint, nnx.to_pure_dict(abstract_base),
+                                       'config.wan.checkpoint')
+
+  def forward_flops(self, sample_shape):
+    """One DiT forward on one (16, T, H, W) latent with config.wan.text_length tokens; twice under CFG."""
+    _, parts = wan_dit.forward_flops(self.dit, latent_thw=tuple(sample_shape[1:]),
+                                     text_tokens=self.c.text_length)
+    return float(sum(parts.values())) * (2 if self.cfg_on else 1)
+
+  def attention_shape(self):
+    return family_lib.AttentionShape(heads=self.dit.num_attention_heads, seq_blocks=self.c.latent_shape[0],
+                                     key='wan.latent_shape', value=tuple(self.c.latent_shape))
+
+  def attention_kernel(self, platform):
+    return attention_lib.resolve(self.dit.attention.kernel, platform)
+
+  def logical_rules(self):
+    return dict(LOGICAL_RULES)
+
+  def sequence_names(self):
+    return wan_dit.SEQUENCE_NAMES
+
+  def compute_cast(self, abstract_module):
+    return layers.compute_cast_fn(abstract_module)
+
+  def exporter(self):
+    return None            # LoRA export in diffusers' Wan names: not yet
+
+
+FAMILIES = {'wan': WanFamily}
 
 
 def _convert_vae(state_dict, config):
@@ -16,11 +115,24 @@ def _convert_vae(state_dict, config):
   return vae_convert.convert_diffusers_vae_state_dict(state_dict, config), 'diffusers'
 
 
-def _converter(preset):
-  return family_lib.Converter(
-      make_config=lambda param_dtype: preset(param_dtype=param_dtype),
-      abstract=lambda config: vae_convert.abstract_params(config)[0],
-      convert=_convert_vae, subfolder='vae')
+def _convert_dit(state_dict, config):
+  abstract = nnx.eval_shape(lambda: wan_dit.WanDiT(config, rngs=nnx.Rngs(0)))
+  state = nnx.state(abstract, nnx.Param)
+  nnx.replace_by_pure_dict(state, transformer_convert.from_diffusers_state_dict(state_dict, config))
+  return state, 'diffusers'
 
 
-CONVERTERS = {'wan21_vae': _converter(wan_vae.wan21), 'wan_tiny': _converter(wan_vae.tiny)}
+def _converter(preset, convert, subfolder, abstract):
+  return family_lib.Converter(make_config=lambda param_dtype: preset(param_dtype=param_dtype),
+                              abstract=abstract, convert=convert, subfolder=subfolder)
+
+
+_vae_abstract = lambda config: vae_convert.abstract_params(config)[0]
+_dit_abstract = lambda config: nnx.eval_shape(lambda: wan_dit.WanDiT(config, rngs=nnx.Rngs(0)))
+CONVERTERS = {
+    'wan21_vae': _converter(wan_vae.wan21, _convert_vae, 'vae', _vae_abstract),
+    'wan_tiny': _converter(wan_vae.tiny, _convert_vae, 'vae', _vae_abstract),
+    'wan1_3b': _converter(wan_dit.wan1_3b, _convert_dit, 'transformer', _dit_abstract),
+    'wan14b': _converter(wan_dit.wan14b, _convert_dit, 'transformer', _dit_abstract),
+    'wan_dit_tiny': _converter(wan_dit.tiny, _convert_dit, 'transformer', _dit_abstract),
+}
