@@ -45,7 +45,11 @@ T5_PARTS = ('text_encoder_3', 'tokenizer_3')
 
 
 def _torch():
-  import torch  # local import: the rest of ddrl_jax does not need torch
+  try:
+    import torch  # local import: the rest of ddrl_jax does not need torch
+  except ImportError as e:
+    raise ImportError("SD3's text encoders run with transformers' PyTorch classes: pip install -e '.[text]'"
+                      ) from e
   return torch
 
 
