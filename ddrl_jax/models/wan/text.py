@@ -40,7 +40,10 @@ TEXT_ENCODER, TOKENIZER = 'text_encoder', 'tokenizer'   # subfolders of a diffus
 
 
 def _torch():
-  import torch  # local import: the rest of ddrl_jax does not need torch
+  try:
+    import torch  # local import: the rest of ddrl_jax does not need torch
+  except ImportError as e:
+    raise ImportError("Wan's text encoder runs with transformers' PyTorch classes: pip install -e '.[text]'") from e
   return torch
 
 
