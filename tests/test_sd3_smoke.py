@@ -203,10 +203,11 @@ def test_flow_grpo_smoke_runs_with_cfg_and_the_ocr_reward(tmp_path):
   the KL to the base with the adapters off, evaluation with the 6-step ODE, a checkpoint."""
   trainer, metrics = _train(sd35m.get_config('flow_grpo_smoke'), tmp_path / 'w')
   assert int(trainer.state.step) == 2 and trainer.state.ref_params is None        # the base is the ref
-  assert np.isfinite(metrics['loss']) and 'eval/ocr' in metrics and 'eval/ocr_rapid' in metrics
+  assert np.isfinite(metrics['loss'])
   with open(tmp_path / 'w' / 'metrics.jsonl') as f:
     rows = [json.loads(line) for line in f]
   assert any('reward' in r for r in rows)
+  assert any('eval/ocr' in r and 'eval/ocr_rapid' in r for r in rows)     # both readers at the end
   assert os.path.isdir(tmp_path / 'w' / 'checkpoints' / '2')
 
 
@@ -215,6 +216,7 @@ def test_ddrl_smoke_regularizes_with_the_bases_own_samples(tmp_path):
   """data.synthesize writes the base's samples (with their text and pooled embeddings); DDRL trains on
   them: the paper's Table 4 recipe at toy size."""
   config = sd35m.get_config('ddrl_smoke')
+  config.batch_size = 4                 # synthesize samples over all 8 test devices: 4 x 2 slots
   prompts = sd3_ocr.SD3OCR(config).train_prompts[:4]
   summary = synthesize.synthesize(config, str(tmp_path / 'syn'), prompts=prompts, per_prompt=2, batch=8,
                                   progress=False)
