@@ -11,9 +11,11 @@ gif_bytes encodes the same frames as an animated GIF (PIL), which TensorBoard's 
 tensorboardX's add_video needs moviepy, so `metrics.MetricWriter.write_videos` puts these bytes in an
 image summary itself, as add_video would.
 """
+import contextlib
 import io
 import os
 import tempfile
+import warnings
 
 import numpy as np
 
@@ -28,6 +30,15 @@ def _imageio_ffmpeg():
   except ImportError as e:
     raise ImportError(f'writing and reading MP4 videos needs imageio-ffmpeg ({INSTALL}): {e}') from e
   return imageio_ffmpeg
+
+
+@contextlib.contextmanager
+def _ffmpeg_starts():
+  """Where imageio-ffmpeg's generators start ffmpeg (subprocess: a fork then exec at once), without
+  JAX's warning that fork and its threads do not mix: nothing of JAX runs in the child."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings('ignore', message=r'os\.fork\(\) was called', category=RuntimeWarning)
+    yield
 
 
 def _check_video(video_u8):
@@ -66,7 +77,8 @@ def write_mp4(path, video_u8, fps=8, quality=8):
     gen = imageio_ffmpeg.write_frames(
         local, (w, h), pix_fmt_in='rgb24', pix_fmt_out='yuv420p', fps=float(fps), quality=quality,
         codec='libx264', macro_block_size=1, ffmpeg_log_level='error')
-    gen.send(None)
+    with _ffmpeg_starts():
+      gen.send(None)
     for frame in video:
       gen.send(frame)
     gen.close()
@@ -84,7 +96,8 @@ def read_mp4(path):
   """The frames of a video file as uint8 (F, H, W, 3) RGB (a local path)."""
   imageio_ffmpeg = _imageio_ffmpeg()
   reader = imageio_ffmpeg.read_frames(str(path), pix_fmt='rgb24')
-  meta = reader.__next__()
+  with _ffmpeg_starts():
+    meta = reader.__next__()
   w, h = meta['size']
   frames = [np.frombuffer(f, np.uint8).reshape(h, w, 3) for f in reader]
   if not frames:
