@@ -20,7 +20,8 @@ INTEGRITY = 'ddrl_integrity.json'
 # passes them as `extra_safe`.
 SAFE_TO_CHANGE = (
     'num_iterations', 'log_every', 'checkpoint_every', 'max_checkpoints', 'eval_every',
-    'eval_samples', 'eval_videos', 'eval_video_fps', 'max_nonfinite_steps', 'checkpoint_checksums', 'pretrain.',
+    'eval_samples', 'eval_videos', 'eval_video_fps', 'max_nonfinite_steps', 'checkpoint_checksums',
+    'pretrain.',
     'optim.learning_rate', 'optim.warmup_steps', 'optim.warmup_init_factor',
     'reward.workers', 'reward.chunk_size', 'reward.chunk_timeout_s', 'reward.timeout_s',
     'reward.max_failed_batches', 'reward.backend', 'reward.redis_url', 'reward.token_env',
