@@ -128,7 +128,8 @@ class MetricWriter:
       image = Summary.Image(height=h, width=w, colorspace=c,
                             encoded_image_string=video_io.gif_bytes(video, fps))
       values.append(Summary.Value(tag=tag, image=image))
-    self._tb._get_file_writer().add_summary(Summary(value=values), int(step))  # pylint: disable=protected-access
+    self._tb._get_file_writer().add_summary(  # pylint: disable=protected-access
+        Summary(value=values), int(step))
 
   def close(self):
     if self._file is not None:
