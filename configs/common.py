@@ -21,6 +21,8 @@ def base_config():
   c.max_checkpoints = 3
   c.eval_every = 0              # 0: only at the end
   c.eval_samples = 1024
+  c.eval_videos = 4             # video tasks: MP4s of the first this many evaluation samples (0: none)
+  c.eval_video_fps = 8          # their frame rate (and the TensorBoard GIF's)
   c.max_nonfinite_steps = 3     # this many updates in a row with a non-finite loss/params: stop
   c.checkpoint_checksums = True # record each checkpoint's file sizes and sha256 (checked on resume)
 

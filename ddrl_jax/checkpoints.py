@@ -20,7 +20,8 @@ INTEGRITY = 'ddrl_integrity.json'
 # passes them as `extra_safe`.
 SAFE_TO_CHANGE = (
     'num_iterations', 'log_every', 'checkpoint_every', 'max_checkpoints', 'eval_every',
-    'eval_samples', 'max_nonfinite_steps', 'checkpoint_checksums', 'pretrain.',
+    'eval_samples', 'eval_videos', 'eval_video_fps', 'max_nonfinite_steps', 'checkpoint_checksums',
+    'pretrain.',
     'optim.learning_rate', 'optim.warmup_steps', 'optim.warmup_init_factor',
     'reward.workers', 'reward.chunk_size', 'reward.chunk_timeout_s', 'reward.timeout_s',
     'reward.max_failed_batches', 'reward.backend', 'reward.redis_url', 'reward.token_env',
@@ -33,6 +34,7 @@ ADDED_KEY_DEFAULTS = {
     'rl.adv_normalization': 'cosmos', 'rl.adv_global_std': True, 'rl.failed_advantage': 'zero',
     'rl.drop_zero_advantages': False, 'rl.kl_form': 'exact', 'rl.nft_beta': 1.0, 'rl.nft_old_decay': 1,
     'lora.rank': 0, 'model_family': '', 'sampler.eval_num_steps': 0, 'sampler.eval_deterministic': False,
+    'eval_videos': 4, 'eval_video_fps': 8,   # logging only (SAFE_TO_CHANGE): today's defaults
 }
 
 

@@ -51,6 +51,8 @@ def validate(config, num_devices):
   _check(config.eval_every >= -1, 'eval_every', config.eval_every,
          'must be >= 0 (0: at the start and the end only) or -1 (no evaluation at step 0)')
   _check(config.eval_samples >= 1, 'eval_samples', config.eval_samples, 'must be >= 1')
+  _check(config.eval_videos >= 0, 'eval_videos', config.eval_videos, 'must be >= 0 (0: no MP4s)')
+  _check(config.eval_video_fps > 0, 'eval_video_fps', config.eval_video_fps, 'must be > 0')
   kind = sampler_kind(config)
   _check(kind in sampling.KINDS, 'sampler.kind', kind, f'unknown sampler; known: {sampling.KINDS}')
   num_steps = config.sampler.num_steps

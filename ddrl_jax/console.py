@@ -122,13 +122,14 @@ def _number(v):
 
 
 def summary_table(metrics, workdir, evaluation=None, seconds_per_iteration=None, first_iteration_s=None,
-                  checkpoint=None, samples=None):
+                  checkpoint=None, samples=None, videos=None):
   """The end-of-run table: what a user reads first (the full row of every step is in metrics.jsonl).
 
   metrics: the last iteration's metrics. evaluation: the last evaluation's row ({'step': s,
   'eval/...': v, 'eval_ema/...': v}) or None. seconds_per_iteration: the mean after the first
   iteration, whose seconds (compile included) are first_iteration_s. checkpoint: the path of the
-  last checkpoint. samples: the path of the last sample grid, if any.
+  last checkpoint. samples: the path of the last sample grid, if any; videos: the pattern of the last
+  evaluation MP4s (video tasks), if any.
   """
   rows = [('reward', _number(metrics['reward_mean']), "mean of the last iteration's rollouts")
           if 'reward_mean' in metrics else ('reward', 'n/a', 'no reward_mean metric')]
@@ -155,6 +156,8 @@ def summary_table(metrics, workdir, evaluation=None, seconds_per_iteration=None,
                         f"TensorBoard: {os.path.join(workdir, 'tensorboard')}")]
   if samples:
     places.append(('samples', samples))
+  if videos:
+    places.append(('videos', f'{videos} (MP4; TensorBoard: Images, eval/videos)'))
   width = max(len(name) for name, *_ in rows + places)
   value_width = max(len(value) for _, value, _ in rows)
   lines = [f'summary of {workdir}:']

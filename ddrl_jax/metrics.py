@@ -1,6 +1,7 @@
 """Per-step metrics: averaged with clu.metrics, written as JSONL and (if tensorboardX is installed)
 TensorBoard events under the workdir. A resumed run first drops what the steps it re-runs had written,
-so metrics.jsonl holds each step once and TensorBoard purges the re-run steps' events."""
+so metrics.jsonl holds each step once and TensorBoard purges the re-run steps' events. Evaluation videos
+go to TensorBoard's image dashboard as animated GIFs (`write_videos`)."""
 import json
 import logging
 import os
@@ -113,6 +114,23 @@ class MetricWriter:
       for k, v in scalars.items():
         self._tb.add_scalar(k, v, int(step))
 
+  def write_videos(self, step, videos, fps):
+    """{tag: uint8 (F, H, W, 3)} -> one animated GIF image summary per tag at `step`, which TensorBoard's
+    Images tab plays (what tensorboardX's add_video writes; add_video itself needs moviepy). No-op
+    without tensorboardX."""
+    if self._tb is None or not videos:
+      return
+    from tensorboardX.proto.summary_pb2 import Summary  # pylint: disable=g-import-not-at-top
+    from ddrl_jax import video_io  # pylint: disable=g-import-not-at-top
+    values = []
+    for tag, video in videos.items():
+      _, h, w, c = np.shape(video)
+      image = Summary.Image(height=h, width=w, colorspace=c,
+                            encoded_image_string=video_io.gif_bytes(video, fps))
+      values.append(Summary.Value(tag=tag, image=image))
+    self._tb._get_file_writer().add_summary(  # pylint: disable=protected-access
+        Summary(value=values), int(step))
+
   def close(self):
     if self._file is not None:
       self._file.close()
@@ -128,6 +146,9 @@ class NullWriter:
 
   def write(self, step, scalars):
     del step, scalars
+
+  def write_videos(self, step, videos, fps):
+    del step, videos, fps
 
   def close(self):
     pass

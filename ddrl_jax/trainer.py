@@ -40,6 +40,7 @@ from ddrl_jax import resume
 from ddrl_jax import rl as rl_lib
 from ddrl_jax import storage
 from ddrl_jax import tasks
+from ddrl_jax import video_io
 from ddrl_jax.data import pipeline as data_pipeline
 from ddrl_jax.data import records as data_records
 from ddrl_jax.models import lora as lora_lib
@@ -144,6 +145,9 @@ class Trainer:
     self.pace = None               # console.Pace of the last train(): seconds per iteration after the first
     self.last_evaluation = None    # the last evaluation's metrics row ({'step': s, 'eval/...': v})
     self.last_samples = None       # the path of the last sample grid written
+    self.last_videos = None        # the pattern of the last evaluation MP4s written (video tasks)
+    self.eval_videos = {}          # {tensorboard tag: uint8 (F, H, W, 3)} of the running evaluation
+    self._warned_mp4 = False
     if os.environ.get('DDRL_EVENT_LOG'):
       self.event_hooks.append(_event_logger(os.environ['DDRL_EVENT_LOG']))
 
@@ -484,7 +488,12 @@ class Trainer:
   def write_samples(self, name, it, samples, cond, max_samples=32):
     """An image grid of the first evaluation samples (same conditions and seed at every evaluation),
     written by process 0, for tasks whose reward inputs are images (M, H, W, 3) or videos
-    (M, F, H, W, 3: one row of frames each). `samples` may be a global jax.Array."""
+    (M, F, H, W, 3: one row of frames each). `samples` may be a global jax.Array.
+
+    Videos also give one MP4 per sample for the first `config.eval_videos` samples,
+    samples/<name>_<step:06d>_<i>.mp4 at `config.eval_video_fps` (video_io.write_mp4), and, side by
+    side in one animated GIF, the TensorBoard image `<name>/videos` (kept in `self.eval_videos` for
+    _evaluate_and_write's writer)."""
     first = samples[:max_samples]
     first = hosts.gather_global(first) if isinstance(first, jax.Array) else np.asarray(first)
     if not distributed.is_main_process():
@@ -496,10 +505,30 @@ class Trainer:
       return
     columns = 8
     if media.ndim == 5:            # videos: sample i's frames on row i
+      self.write_videos(name, it, media)
       columns = media.shape[1]
       media = media[:8].reshape((-1,) + media.shape[2:])
     self.last_samples = os.path.join(self.workdir, 'samples', f'{name}_{it:06d}.png')
     image_grid.write_grid(self.last_samples, media, columns)
+
+  def write_videos(self, name, it, videos):
+    """The first config.eval_videos of uint8 videos (M, F, H, W, 3) as MP4s under samples/ (process 0;
+    without imageio-ffmpeg a warning once instead) and as the TensorBoard video `<name>/videos`."""
+    c = self.config
+    count = min(c.eval_videos, videos.shape[0])
+    if count <= 0:
+      return
+    fps = c.eval_video_fps
+    paths = [os.path.join(self.workdir, 'samples', f'{name}_{it:06d}_{i}.mp4') for i in range(count)]
+    try:
+      for path, video in zip(paths, videos[:count]):
+        video_io.write_mp4(path, video, fps)
+      self.last_videos = os.path.join(self.workdir, 'samples', f'{name}_{it:06d}_*.mp4')
+    except ImportError as e:
+      if not self._warned_mp4:
+        logging.warning('no MP4s of the evaluation videos: %s', e)
+        self._warned_mp4 = True
+    self.eval_videos[f'{name}/videos'] = video_io.tile_videos(videos[:count])
 
   def train(self, progress=True):
     """Runs (or resumes) to config.num_iterations; returns the last logged metrics.
@@ -578,8 +607,11 @@ class Trainer:
 
   def _evaluate_and_write(self, writer, step):
     """Evaluates at `step`, writes the row and keeps it as `last_evaluation`."""
+    self.eval_videos = {}
     metrics = self.evaluate(step)
     writer.write(step, metrics)
+    writer.write_videos(step, self.eval_videos, self.config.eval_video_fps)
+    self.eval_videos = {}
     self.last_evaluation = dict(step=step, **metrics)
 
   def run_summary(self):
@@ -587,7 +619,7 @@ class Trainer:
     latest = self.ckpt.latest_step()
     pace = self.pace or console.Pace(0)
     return dict(evaluation=self.last_evaluation, seconds_per_iteration=pace.seconds_per_iteration,
-                first_iteration_s=pace.first_s, samples=self.last_samples,
+                first_iteration_s=pace.first_s, samples=self.last_samples, videos=self.last_videos,
                 checkpoint=None if latest is None else self._step_dir(latest))
 
   def _check_nonfinite(self, step, streak, metrics):
