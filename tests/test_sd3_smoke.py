@@ -206,7 +206,7 @@ def test_flow_grpo_smoke_runs_with_cfg_and_the_ocr_reward(tmp_path):
   assert np.isfinite(metrics['loss'])
   with open(tmp_path / 'w' / 'metrics.jsonl') as f:
     rows = [json.loads(line) for line in f]
-  assert any('reward' in r for r in rows)
+  assert any('reward/ocr' in r for r in rows)
   assert any('eval/ocr' in r and 'eval/ocr_rapid' in r for r in rows)     # both readers at the end
   assert os.path.isdir(tmp_path / 'w' / 'checkpoints' / '2')
 
