@@ -236,9 +236,12 @@ class PromptTask(base.FamilyTask):
     del cond
     return self.decode(samples)
 
+  def _make_readers(self):
+    return ocr_task.readers_of(self.config)
+
   def ocr_metrics(self, pixels, finite, cond):
     """OCR accuracy (Tesseract and RapidOCR, config.reward.kwargs' options) of decoded samples."""
-    self._readers = self._readers or ocr_task.readers_of(self.config)
+    self._readers = self._readers or self._make_readers()
     return ocr_task.ocr_metrics_of(pixels, finite, self.prompts(cond), self._readers)
 
   # ---------------------------------------------------------------------------- records
