@@ -176,7 +176,9 @@ def test_ddrl_smoke_regularizes_with_the_bases_own_samples(tmp_path):
   """data.synthesize writes the base's videos' latents with their UMT5 embeddings; DDRL trains on them."""
   config = wan1_3b.get_config('ddrl_smoke')
   prompts = wan_t2v.WanT2V(config).train_prompts[:2]
-  summary = synthesize.synthesize(config, str(tmp_path / 'syn'), prompts=prompts, per_prompt=2, batch=4,
+  syn_config = config.copy_and_resolve_references()
+  syn_config.batch_size = 4          # synthesize's Trainer takes every device: 4 x 2 slots over the 8 fake ones
+  summary = synthesize.synthesize(syn_config, str(tmp_path / 'syn'), prompts=prompts, per_prompt=2, batch=4,
                                   progress=False)
   assert summary['num_records'] == 4
   recs = records.read_all(str(tmp_path / 'syn'))
