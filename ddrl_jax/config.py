@@ -57,6 +57,9 @@ def validate(config, num_devices):
   _check(kind in sampling.KINDS, 'sampler.kind', kind, f'unknown sampler; known: {sampling.KINDS}')
   num_steps = config.sampler.num_steps
   _check(num_steps >= 2, 'sampler.num_steps', num_steps, 'need T >= 2 steps')
+  eval_steps = config.sampler.get('eval_num_steps', 0)
+  _check(eval_steps == 0 or eval_steps >= 2, 'sampler.eval_num_steps', eval_steps,
+         'need 0 (the training sampler) or >= 2 evaluation steps')
   rl = config.rl
   _check(rl.clip_range > 0, 'rl.clip_range', rl.clip_range, 'the PPO clip range must be > 0')
   steps = train_steps(config)
