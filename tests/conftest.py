@@ -93,6 +93,13 @@ SLOW_TESTS = frozenset([
 ])
 # benchmarks/step_speed.py --quick, run by its tests, times the trainer, the public path, its reference
 # form and torch: minutes of compiles; the library path it times is tested in test_losses.py.
+SLOW_TESTS = SLOW_TESTS | frozenset([
+    # SD3.5: the diffusers-folder -> orbax -> sharded-placement run (test_sd3_mmdit's converter round trip
+    # and test_sd3_vae's folder loader stay fast); the MMDiT's sharded gradients under Ulysses (the
+    # sharded forward, its HLO and plan.joint_attention's own forward and gradients stay fast).
+    'test_sd3_smoke.py::test_diffusers_folder_converts_and_loads_sharded',
+    'test_sd3_context.py::test_sharded_gradients_equal_one_device',
+])
 SLOW_FILES = frozenset(['test_multihost.py', 'test_multihost_processes.py', 'test_step_speed.py'])
 
 
