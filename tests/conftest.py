@@ -91,8 +91,6 @@ SLOW_TESTS = frozenset([
     'test_diffusion_nft.py::test_failed_samples_leave_the_means',
     'test_faithful_baselines.py::test_rl_loss_kl_form_flow_grpo_is_exact_times_dt',
 ])
-# benchmarks/step_speed.py --quick, run by its tests, times the trainer, the public path, its reference
-# form and torch: minutes of compiles; the library path it times is tested in test_losses.py.
 SLOW_TESTS = SLOW_TESTS | frozenset([
     # SD3.5: the diffusers-folder -> orbax -> sharded-placement run (test_sd3_mmdit's converter round trip
     # and test_sd3_vae's folder loader stay fast); the MMDiT's sharded gradients under Ulysses (the
@@ -100,6 +98,8 @@ SLOW_TESTS = SLOW_TESTS | frozenset([
     'test_sd3_smoke.py::test_diffusers_folder_converts_and_loads_sharded',
     'test_sd3_context.py::test_sharded_gradients_equal_one_device',
 ])
+# benchmarks/step_speed.py --quick, run by its tests, times the trainer, the public path, its reference
+# form and torch: minutes of compiles; the library path it times is tested in test_losses.py.
 SLOW_FILES = frozenset(['test_multihost.py', 'test_multihost_processes.py', 'test_step_speed.py'])
 
 
