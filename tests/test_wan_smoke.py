@@ -169,6 +169,11 @@ def test_flow_grpo_smoke_trains_with_tesseract_on_decoded_frames(tmp_path):
     rows = [json.loads(line) for line in f]
   assert any('reward' in r or 'reward_mean' in r for r in rows)
   assert os.path.isdir(tmp_path / 'w' / 'checkpoints' / '2')
+  from ddrl_jax import video_io  # pylint: disable=g-import-not-at-top
+  mp4s = sorted((tmp_path / 'w' / 'samples').glob('*.mp4'))          # videos one can watch
+  assert mp4s, 'the Wan smoke evaluation wrote no MP4'
+  frames = video_io.read_mp4(str(mp4s[0]))
+  assert frames.shape[0] == 5 and frames.shape[-1] == 3
 
 
 @pytest.mark.slow
