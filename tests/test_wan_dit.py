@@ -231,3 +231,33 @@ def test_context_parallel_equals_one_device(diffusers_sd, impl):
   err = float(np.abs(out - ref).max())
   print(f'{impl}: max abs diff vs one device {err:.2e}')
   assert err <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('impl', ['ulysses', 'ring'])
+def test_context_parallel_gradients_equal_one_device(diffusers_sd, impl):
+  """The parameter gradients of a scalar of the output, with FSDP-sharded parameters and the video
+  sequence split over 2 context devices (Ulysses or ring), equal the one-device gradients."""
+  from jax.sharding import AxisType
+  from ddrl_jax.parallel import plan as plan_lib
+  from ddrl_jax.parallel import rules as rules_lib
+  if len(jax.devices()) < 8:
+    pytest.skip('needs the 8 fake CPU devices of tests/conftest.py')
+  x, t, ctx = _inputs(7, (16, 2, 4, 6))
+  weights = jnp.asarray(np.random.RandomState(3).randn(*x.shape), jnp.float32)
+  graphdef, state = nnx.split(wc.merge_params(CFG, wc.from_diffusers_state_dict(diffusers_sd, CFG)))
+  loss = lambda s: jnp.sum(nnx.merge(graphdef, s)(x, t, ctx) * weights)
+  ref = jax.jit(jax.grad(loss))(state)
+  mesh = jax.make_mesh((2, 2, 2, 1), ('data', 'fsdp', 'context', 'tensor'), devices=jax.devices()[:8],
+                       axis_types=(AxisType.Auto,) * 4)
+  plan = plan_lib.ShardingPlan(mesh=mesh, context_impl=impl, rules=rules_lib.resolve_rules(
+      dict(rules_lib.DEFAULT_RULES, **wt.LOGICAL_RULES), 'fsdp', mesh.axis_names),
+                               sequence_names=wt.SEQUENCE_NAMES)
+  sharded = jax.device_put(state, plan.params(state))
+  got = jax.jit(plan.scope(jax.grad(loss)))(sharded)
+  errs = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), got, ref)
+  scale = max(float(np.abs(np.asarray(a)).max()) for a in jax.tree.leaves(ref))
+  worst = max(jax.tree.leaves(errs))
+  print(f'{impl}: max abs gradient difference {worst:.2e} (largest gradient {scale:.2f})')
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5),
+               got, ref)
