@@ -165,6 +165,61 @@ def preset_config(presets, section, key):
   return presets[section.model](**kw)
 
 
+class SectionFamily:
+  """What the DiT families configured by one config section share: `c` (the section, e.g. config.sd3),
+  `dit` (the model config: dtype, remat_policy, attention), `section` (its name, for config keys), and
+  the module constants LOGICAL_RULES / SEQUENCE_NAMES given as class attributes. Base weights come from
+  `<section>.checkpoint` (the converter CLI's output) when it is set."""
+
+  section = ''
+  LOGICAL_RULES = {}
+  SEQUENCE_NAMES = ('act_seq',)
+  c: Any
+  dit: Any
+
+  @property
+  def compute_dtype(self):
+    return jax.numpy.dtype(self.dit.dtype).name
+
+  @property
+  def remat_policy(self):
+    return self.dit.remat_policy
+
+  def load_base(self, abstract_base):
+    if not self.c.checkpoint:
+      return None
+    from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
+    return convert.load_converted_like(self.c.checkpoint, nnx.to_pure_dict(abstract_base),
+                                       f'config.{self.section}.checkpoint')
+
+  def attention_kernel(self, platform):
+    from ddrl_jax.models import attention as attention_lib  # pylint: disable=g-import-not-at-top
+    return attention_lib.resolve(self.dit.attention.kernel, platform)
+
+  def logical_rules(self):
+    return dict(self.LOGICAL_RULES)
+
+  def sequence_names(self):
+    return tuple(self.SEQUENCE_NAMES)
+
+  def compute_cast(self, abstract_module):
+    from ddrl_jax.models import layers  # pylint: disable=g-import-not-at-top
+    return layers.compute_cast_fn(abstract_module)
+
+
+def guided_velocity(call, x_t, timestep, cond, text_keys):
+  """Classifier-free guidance from one forward of 2B: v = v_null + w (v_cond - v_null), w = cond['guidance']
+  (B,) per sample (w = 1 gives v_cond). `call(x, timestep, *texts)` is the network; `text_keys` are the
+  condition keys whose 'null_<key>' twins hold the empty prompt's embeddings."""
+  b = x_t.shape[0]
+  cat = lambda a, z: jax.numpy.concatenate([a, z])
+  both = call(cat(x_t, x_t), cat(timestep, timestep),
+              *[cat(cond[k], cond['null_' + k]) for k in text_keys]).astype(jax.numpy.float32)
+  v_cond, v_null = jax.numpy.split(both, 2)
+  w = jax.numpy.reshape(cond['guidance'], (b,) + (1,) * (x_t.ndim - 1)).astype(jax.numpy.float32)
+  return v_null + w * (v_cond - v_null)
+
+
 # ------------------------------------------------------------------------------ generic parameters
 def _with_adapters(module, lora, key):
   """`module` with config.lora's adapters; unchanged when it has no `layers.Dense` at all (the trainer

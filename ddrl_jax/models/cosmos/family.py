@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from ddrl_jax import params_io
-from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import family as family_lib
 from ddrl_jax.models.cosmos import convert as cosmos_convert
 from ddrl_jax.models.cosmos import dit as cosmos_dit
@@ -141,28 +140,13 @@ def dit_exporter(num_blocks, subtree=''):
       to_diffusers=lambda flat: cosmos_convert.to_diffusers_state_dict(flat, num_blocks))
 
 
-class _CosmosBase:
+class _CosmosBase(family_lib.SectionFamily):
   """What both Cosmos families share: the DiT's rules, sequence names, kernel and exporter."""
 
   dit: cosmos_dit.CosmosDiTConfig
+  LOGICAL_RULES = LOGICAL_RULES
+  SEQUENCE_NAMES = SEQUENCE_NAMES
   _export_subtree = ''
-
-  @property
-  def compute_dtype(self):
-    return jnp.dtype(self.dit.dtype).name
-
-  @property
-  def remat_policy(self):
-    return self.dit.remat_policy
-
-  def logical_rules(self):
-    return dict(LOGICAL_RULES)
-
-  def sequence_names(self):
-    return SEQUENCE_NAMES
-
-  def attention_kernel(self, platform):
-    return attention_lib.resolve(self.dit.attention.kernel, platform)
 
   def exporter(self):
     return dit_exporter(self.dit.num_blocks, self._export_subtree)
@@ -172,6 +156,7 @@ class CosmosVideoFamily(_CosmosBase):
   """The Cosmos-Predict2.5 DiT on (16, T, H, W) latents, from config.cosmos."""
 
   name = 'cosmos'
+  section = 'cosmos'
   resume_safe_keys = ('cosmos.checkpoint',)
 
   def __init__(self, config):
@@ -184,13 +169,6 @@ class CosmosVideoFamily(_CosmosBase):
   def apply_fn(self, graphdef):
     return make_video_apply_fn(graphdef, self.c.cond_timestep)
 
-  def load_base(self, abstract_base):
-    if not self.c.checkpoint:
-      return None
-    from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
-    return convert.load_converted_like(self.c.checkpoint, nnx.to_pure_dict(abstract_base),
-                                       'config.cosmos.checkpoint')
-
   def forward_flops(self, sample_shape):
     """One DiT forward on one (16, T, H, W) latent with config.cosmos.text_length text tokens (frame
     replacement adds none)."""
@@ -200,14 +178,12 @@ class CosmosVideoFamily(_CosmosBase):
     return family_lib.AttentionShape(heads=self.dit.num_heads, seq_blocks=self.c.latent_shape[0],
                                      key='cosmos.latent_shape', value=tuple(self.c.latent_shape))
 
-  def compute_cast(self, abstract_module):
-    return cosmos_dit.compute_cast_fn(abstract_module)
-
 
 class CosmosT2IFamily(_CosmosBase):
   """`cosmos.t2i.CosmosT2I` on (3, H, W) images in pixel space, x-prediction, from config.ocr."""
 
   name = 'cosmos_t2i'
+  section = 'ocr'
   resume_safe_keys = ('ocr.base_checkpoint', 'ocr.require_base')
   _export_subtree = 'dit'        # the byte-embedding front end has no diffusers counterpart
 

@@ -16,9 +16,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import family as family_lib
-from ddrl_jax.models import layers
 from ddrl_jax.models.sd3 import convert as sd3_convert
 from ddrl_jax.models.sd3 import mmdit
 from ddrl_jax.models.sd3 import vae as sd3_vae
@@ -53,16 +51,10 @@ def make_apply_fn(graphdef, cfg_on):
   def apply_fn(params, x_t, t, cond):
     params = jax.tree.map(lambda a: a, params)     # NNX Variables at this trace level
     model = nnx.merge(graphdef, params)
-    b = x_t.shape[0]
-    timestep = jnp.reshape(t, (b,)).astype(jnp.float32) * 1000.0
+    timestep = jnp.reshape(t, (x_t.shape[0],)).astype(jnp.float32) * 1000.0
     if not cfg_on:
       return model(x_t, timestep, cond['text'], cond['pooled']).astype(jnp.float32)
-    both = model(jnp.concatenate([x_t, x_t]), jnp.concatenate([timestep, timestep]),
-                 jnp.concatenate([cond['text'], cond['null_text']]),
-                 jnp.concatenate([cond['pooled'], cond['null_pooled']])).astype(jnp.float32)
-    v_cond, v_null = jnp.split(both, 2)
-    w = jnp.reshape(cond['guidance'], (b,) + (1,) * (x_t.ndim - 1)).astype(jnp.float32)
-    return v_null + w * (v_cond - v_null)
+    return family_lib.guided_velocity(model, x_t, timestep, cond, ('text', 'pooled'))
 
   return apply_fn
 
@@ -79,10 +71,12 @@ def _nested(flat):
   return out
 
 
-class SD3Family:
+class SD3Family(family_lib.SectionFamily):
   """The MMDiT of SD3 / SD3.5 on (16, H/8, W/8) latents, from config.sd3."""
 
   name = 'sd3'
+  section = 'sd3'
+  LOGICAL_RULES = LOGICAL_RULES
   resume_safe_keys = ('sd3.checkpoint', 'sd3.vae_checkpoint', 'sd3.text_encoders')
 
   def __init__(self, config):
@@ -90,26 +84,11 @@ class SD3Family:
     self.dit = dit_config(self.c)
     self.cfg_on = uses_cfg(self.c)
 
-  @property
-  def compute_dtype(self):
-    return jnp.dtype(self.dit.dtype).name
-
-  @property
-  def remat_policy(self):
-    return self.dit.remat_policy
-
   def build(self, key):
     return mmdit.MMDiT(self.dit, rngs=nnx.Rngs(key))
 
   def apply_fn(self, graphdef):
     return make_apply_fn(graphdef, self.cfg_on)
-
-  def load_base(self, abstract_base):
-    if not self.c.checkpoint:
-      return None
-    from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
-    return convert.load_converted_like(self.c.checkpoint, nnx.to_pure_dict(abstract_base),
-                                       'config.sd3.checkpoint')
 
   def forward_flops(self, sample_shape):
     """One MMDiT forward on one (C, H, W) latent with the joint text sequence; twice under CFG."""
@@ -123,18 +102,6 @@ class SD3Family:
     side = self.c.resolution // 8 // p
     return family_lib.AttentionShape(heads=self.dit.num_attention_heads, seq_blocks=side * side,
                                      key='sd3.resolution', value=self.c.resolution)
-
-  def attention_kernel(self, platform):
-    return attention_lib.resolve(self.dit.attention.kernel, platform)
-
-  def logical_rules(self):
-    return dict(LOGICAL_RULES)
-
-  def sequence_names(self):
-    return ('act_seq',)
-
-  def compute_cast(self, abstract_module):
-    return layers.compute_cast_fn(abstract_module)
 
   def exporter(self):
     dit = self.dit

@@ -15,9 +15,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import family as family_lib
-from ddrl_jax.models import layers
 from ddrl_jax.models.wan import transformer as wan_dit
 from ddrl_jax.models.wan import transformer_convert
 from ddrl_jax.models.wan import vae as wan_vae
@@ -33,23 +31,21 @@ def make_apply_fn(graphdef, cfg_on):
   def apply_fn(params, x_t, t, cond):
     params = jax.tree.map(lambda a: a, params)     # NNX Variables at this trace level
     model = nnx.merge(graphdef, params)
-    b = x_t.shape[0]
-    timestep = jnp.reshape(t, (b,)).astype(jnp.float32) * 1000.0
+    timestep = jnp.reshape(t, (x_t.shape[0],)).astype(jnp.float32) * 1000.0
     if not cfg_on:
       return model(x_t, timestep, cond['text']).astype(jnp.float32)
-    both = model(jnp.concatenate([x_t, x_t]), jnp.concatenate([timestep, timestep]),
-                 jnp.concatenate([cond['text'], cond['null_text']])).astype(jnp.float32)
-    v_cond, v_null = jnp.split(both, 2)
-    w = jnp.reshape(cond['guidance'], (b,) + (1,) * (x_t.ndim - 1)).astype(jnp.float32)
-    return v_null + w * (v_cond - v_null)
+    return family_lib.guided_velocity(model, x_t, timestep, cond, ('text',))
 
   return apply_fn
 
 
-class WanFamily:
+class WanFamily(family_lib.SectionFamily):
   """Wan2.1's text-to-video DiT on (16, T, H, W) latents, from config.wan."""
 
   name = 'wan'
+  section = 'wan'
+  LOGICAL_RULES = LOGICAL_RULES
+  SEQUENCE_NAMES = wan_dit.SEQUENCE_NAMES
   resume_safe_keys = ('wan.checkpoint', 'wan.vae_checkpoint', 'wan.text_encoder')
 
   def __init__(self, config):
@@ -57,26 +53,11 @@ class WanFamily:
     self.dit = family_lib.preset_config(PRESETS, self.c, 'config.wan')
     self.cfg_on = self.c.guidance_rollout != 1.0 or self.c.guidance_eval != 1.0
 
-  @property
-  def compute_dtype(self):
-    return jnp.dtype(self.dit.dtype).name
-
-  @property
-  def remat_policy(self):
-    return self.dit.remat_policy
-
   def build(self, key):
     return wan_dit.WanDiT(self.dit, rngs=nnx.Rngs(key))
 
   def apply_fn(self, graphdef):
     return make_apply_fn(graphdef, self.cfg_on)
-
-  def load_base(self, abstract_base):
-    if not self.c.checkpoint:
-      return None
-    from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
-    return convert.load_converted_like(self.c.checkpoint, nnx.to_pure_dict(abstract_base),
-                                       'config.wan.checkpoint')
 
   def forward_flops(self, sample_shape):
     """One DiT forward on one (16, T, H, W) latent with config.wan.text_length tokens; twice under CFG."""
@@ -87,18 +68,6 @@ class WanFamily:
   def attention_shape(self):
     return family_lib.AttentionShape(heads=self.dit.num_attention_heads, seq_blocks=self.c.latent_shape[0],
                                      key='wan.latent_shape', value=tuple(self.c.latent_shape))
-
-  def attention_kernel(self, platform):
-    return attention_lib.resolve(self.dit.attention.kernel, platform)
-
-  def logical_rules(self):
-    return dict(LOGICAL_RULES)
-
-  def sequence_names(self):
-    return wan_dit.SEQUENCE_NAMES
-
-  def compute_cast(self, abstract_module):
-    return layers.compute_cast_fn(abstract_module)
 
   def exporter(self):
     return None            # LoRA export in diffusers' Wan names: not yet
