@@ -97,6 +97,12 @@ SLOW_TESTS = SLOW_TESTS | frozenset([
     # sharded forward, its HLO and plan.joint_attention's own forward and gradients stay fast).
     'test_sd3_smoke.py::test_diffusers_folder_converts_and_loads_sharded',
     'test_sd3_context.py::test_sharded_gradients_equal_one_device',
+    'test_sd3_context.py::test_sharded_forward_equals_one_device',    # joint_attention alone stays
+    'test_sd3_context.py::test_sharded_forward_hlo_runs_ulysses',
+    'test_sd3_mmdit.py::test_stacks_scan_and_remat_keeps_output',      # the parity tests stay
+    'test_sd3_mmdit.py::test_lora_attaches_to_stacked_attention_and_bf16_runs',
+    'test_sd3_smoke.py::test_prepare_writes_text_and_pooled_embeddings',  # test_sd3_text's equality stays
+    'test_wan_dit.py::test_remat_same_output',                         # cosmos' remat test stays
 ])
 # benchmarks/step_speed.py --quick, run by its tests, times the trainer, the public path, its reference
 # form and torch: minutes of compiles; the library path it times is tested in test_losses.py.
