@@ -236,8 +236,8 @@ def test_resume_on_another_base_is_refused(lora_runs, tmp_path):
   trainer = trainer_lib.Trainer(c, tmp_path / 'run', devices=jax.devices()[:1])
   # Another base: the same shapes, other values (ocr.base_checkpoint may change between runs, so only
   # the fingerprint can tell).
-  init = trainer.task.init_model
-  trainer.task.init_model = lambda key: init(jax.random.fold_in(key, 1))
+  init = trainer.task.init_params_sharded      # how the trainer builds (or loads) the base
+  trainer.task.init_params_sharded = lambda key, shardings: init(jax.random.fold_in(key, 1), shardings)
   with pytest.raises(checkpoints_lib.IncompatibleCheckpoint, match='another base model'):
     trainer.restore_or_init()
 
