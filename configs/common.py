@@ -121,6 +121,26 @@ def use_family_rules(config, family):
   config.sharding.rules.update(family_lib.logical_rules(family))
 
 
+def shrink_for_smoke(config, preset):
+  """The CPU smoke size of a prompt-task recipe (configs/sd35m.py, wan_common.py): 2 iterations of 2 groups
+  x 2 rollouts, 4 sampler steps (6 to evaluate, at the end only), DDRL training steps 0 and 2, rewards
+  scored in a thread, LoRA rank 4. The model section is shrunk by the caller."""
+  config.num_iterations = 2
+  config.batch_size = 2
+  config.num_rollouts = 2
+  config.checkpoint_every = 2
+  config.eval_every = -1
+  config.eval_samples = 4
+  config.sampler.num_steps = 4
+  config.sampler.eval_num_steps = 6
+  if preset == 'ddrl':
+    config.rl.train_steps = (0, 2)
+  config.reward.workers = 0
+  config.reward.chunk_size = 4
+  config.lora.rank = 4
+  config.lora.alpha = 8
+
+
 # Each baseline preset follows one public recipe; the comment block above its branch names the
 # repository and file whose arithmetic it reproduces, and what differs.
 PRESETS = ('ddrl', 'ddrl_reduced', 'ddrl_reduced_random', 'ddrl_exact', 'flow_grpo',

@@ -127,20 +127,7 @@ def get_config(arg='ddrl'):
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
 
   if smoke:
-    c.num_iterations = 2
-    c.batch_size = 2
-    c.num_rollouts = 2
-    c.checkpoint_every = 2
-    c.eval_every = -1
-    c.eval_samples = 4
-    s.num_steps = 4
-    s.eval_num_steps = 6
-    if preset == 'ddrl':
-      rl.train_steps = (0, 2)
-    c.reward.workers = 0
-    c.reward.chunk_size = 4
-    c.lora.rank = 4
-    c.lora.alpha = 8
+    common.shrink_for_smoke(c, preset)
     sd = c.sd3
     sd.model = 'tiny'
     sd.dtype = 'float32'
