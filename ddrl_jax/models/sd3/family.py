@@ -7,7 +7,7 @@ classifier-free-guidance policy.
 Velocity adapter. SD3 is a rectified flow x_sigma = (1 - sigma) x0 + sigma eps whose network predicts
 eps - x0 from timestep = 1000 sigma, i.e. exactly the library's convention with t = sigma. Conditions
 are a dict: 'text' (B, L, joint_dim) the joint CLIP-L/G + T5 sequence, 'pooled' (B, pooled_dim); with
-CFG on (`uses_cfg`) also 'guidance' (B,) per sample and the empty prompt's 'null_text', 'null_pooled':
+CFG on (`cfg_on`) also 'guidance' (B,) per sample and the empty prompt's 'null_text', 'null_pooled':
 v = v_null + w (v_cond - v_null) from one forward of 2B (w = 1 gives v_cond). The guidance rides in the
 conditions, so rollouts, the policy gradient (which re-evaluates the rollout's own conditions) and
 evaluation each use the scale their conditions carry (the task sets them from the config's policy).
@@ -38,11 +38,6 @@ def dit_config(c):
 def text_tokens(c):
   """The joint text sequence length: 77 CLIP tokens + T5's max_sequence_length."""
   return CLIP_TOKENS + c.max_sequence_length
-
-
-def uses_cfg(c):
-  """Whether any phase samples with classifier-free guidance (then apply_fn runs a 2B forward)."""
-  return c.guidance_rollout != 1.0 or c.guidance_eval != 1.0
 
 
 def make_apply_fn(graphdef, cfg_on):
@@ -82,7 +77,6 @@ class SD3Family(family_lib.SectionFamily):
   def __init__(self, config):
     self.c = config.sd3
     self.dit = dit_config(self.c)
-    self.cfg_on = uses_cfg(self.c)
 
   def build(self, key):
     return mmdit.MMDiT(self.dit, rngs=nnx.Rngs(key))

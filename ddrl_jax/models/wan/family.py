@@ -51,7 +51,6 @@ class WanFamily(family_lib.SectionFamily):
   def __init__(self, config):
     self.c = config.wan
     self.dit = family_lib.preset_config(PRESETS, self.c, 'config.wan')
-    self.cfg_on = self.c.guidance_rollout != 1.0 or self.c.guidance_eval != 1.0
 
   def build(self, key):
     return wan_dit.WanDiT(self.dit, rngs=nnx.Rngs(key))
