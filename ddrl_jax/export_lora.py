@@ -27,13 +27,14 @@ from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.models import lora_export
 
 
-def export(config, workdir, out, *, ema=False, merged=False):
-  """Writes the export files of `workdir`'s latest checkpoint into `out`; returns the export.json dict."""
+def export(config, workdir, out, *, ema=False, merged=False, devices=None):
+  """Writes the export files of `workdir`'s latest checkpoint into `out`; returns the export.json dict.
+  devices: those the checkpoint is restored onto (default: all; the run's batch must divide over them)."""
   spec = lora_lib.from_config(config)
   if not spec.enabled:
     raise cli.UsageError('config.lora.rank is 0: this run trained every parameter, there are no '
                          'adapters to export', 'pass the config and --config.lora.* flags the run used')
-  trainer = trainer_lib.Trainer(config, workdir)
+  trainer = trainer_lib.Trainer(config, workdir, devices=devices)
   step = trainer.restore_or_init(read_only=True)
   if step == 0:
     raise cli.UsageError(f'{workdir} has no checkpoint', 'train first, or give the run\'s --workdir')

@@ -174,6 +174,18 @@ def test_flow_grpo_smoke_trains_with_tesseract_on_decoded_frames(tmp_path):
   assert mp4s, 'the Wan smoke evaluation wrote no MP4'
   frames = video_io.read_mp4(str(mp4s[0]))
   assert frames.shape[0] == 5 and frames.shape[-1] == 3
+  # `python -m ddrl_jax.export_lora` on the run: diffusers' WanTransformer3DModel names, merged weights.
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import export_lora  # pylint: disable=g-import-not-at-top
+  config = wan1_3b.get_config('flow_grpo_smoke')
+  info = export_lora.export(config, tmp_path / 'w', str(tmp_path / 'export'), merged=True,
+                            devices=jax.devices()[:1])
+  layers = trainer.task.family.dit.num_layers
+  assert info['step'] == 2 and info['modules'] == layers * 8     # q, k, v, out of attn1 and attn2
+  with safe_open(info['adapters'], 'np') as f:
+    assert 'transformer.blocks.0.attn2.to_out.0.lora_A.weight' in f.keys()
+  with safe_open(info['merged'], 'np') as f:
+    assert 'blocks.0.attn1.to_q.weight' in f.keys() and not any('lora' in k for k in f.keys())
 
 
 @pytest.mark.slow

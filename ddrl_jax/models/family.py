@@ -66,6 +66,18 @@ class Converter:
   subfolder: str
 
 
+def nest_paths(flat):
+  """{'a/b/c': x} -> {'a': {'b': {'c': x}}} (an Exporter's flat paths -> a pure dict)."""
+  out = {}
+  for path, value in flat.items():
+    node = out
+    *parents, leaf = path.split('/')
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Exporter:
   """How adapters and merged weights leave in diffusers' names (`ddrl_jax.export_lora`).

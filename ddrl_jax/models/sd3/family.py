@@ -54,18 +54,6 @@ def make_apply_fn(graphdef, cfg_on):
   return apply_fn
 
 
-def _nested(flat):
-  """{'a/b/c': x} -> {'a': {'b': {'c': x}}}."""
-  out = {}
-  for path, value in flat.items():
-    node = out
-    *parents, leaf = path.split('/')
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  return out
-
-
 class SD3Family(family_lib.SectionFamily):
   """The MMDiT of SD3 / SD3.5 on (16, H/8, W/8) latents, from config.sd3."""
 
@@ -102,7 +90,7 @@ class SD3Family(family_lib.SectionFamily):
     return family_lib.Exporter(
         subtree='',
         diffusers_names=lambda path: sd3_convert.diffusers_names(path, dit)[0],
-        to_diffusers=lambda flat: sd3_convert.to_diffusers_state_dict(_nested(flat), dit,
+        to_diffusers=lambda flat: sd3_convert.to_diffusers_state_dict(family_lib.nest_paths(flat), dit,
                                                                       with_pos_embed=False))
 
 

@@ -39,6 +39,14 @@ def make_apply_fn(graphdef, cfg_on):
   return apply_fn
 
 
+def dit_exporter(dit):
+  """The Exporter of a WanDiT(dit): adapters under diffusers' WanTransformer3DModel module names."""
+  return family_lib.Exporter(
+      subtree='',
+      diffusers_names=lambda path: transformer_convert.diffusers_names(path, dit),
+      to_diffusers=lambda flat: transformer_convert.to_diffusers_state_dict(family_lib.nest_paths(flat), dit))
+
+
 class WanFamily(family_lib.SectionFamily):
   """Wan2.1's text-to-video DiT on (16, T, H, W) latents, from config.wan."""
 
@@ -69,7 +77,7 @@ class WanFamily(family_lib.SectionFamily):
                                      key='wan.latent_shape', value=tuple(self.c.latent_shape))
 
   def exporter(self):
-    return None            # LoRA export in diffusers' Wan names: not yet
+    return dit_exporter(self.dit)
 
 
 FAMILIES = {'wan': WanFamily}

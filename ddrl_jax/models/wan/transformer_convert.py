@@ -57,6 +57,16 @@ def _diffusers_key(path):
   return '.'.join(parts + [name]), kind
 
 
+def diffusers_names(path, config):
+  """diffusers weight names of one kernel path below the DiT ('blocks/attn1/to_q/kernel' -> one per layer,
+  'blocks.{i}.attn1.to_q.weight'), for LoRA export; only Linear kernels (peft's lora_A/lora_B of a Linear)."""
+  parts = tuple(path.split('/'))
+  key, kind = _diffusers_key(parts)
+  if kind != 'linear':
+    raise ValueError(f'{path}: LoRA export covers Linear kernels; this is a {kind} parameter ({key})')
+  return [key.format(i) for i in range(config.num_layers)] if parts[0] == 'blocks' else [key]
+
+
 def _to_nnx(value, kind):
   value = np.asarray(value)
   if kind == 'linear':
