@@ -49,6 +49,7 @@ def base_config():
       log_ratio='',             # '' = algorithm default ('cosmos' for ddrl, 'gaussian' otherwise)
       old_mean='rollout',       # 'rollout' (stored means) or 'detached' (exactly on-policy ratio)
       drop_zero_advantages=False,  # FlowGRPO: rollouts with advantage exactly 0 leave the update
+      pg_weight=1.0,            # the policy gradient's weight; 0 = a data-term-only (or KL-only) control
       data_beta=0.01,
       data_loss_steps='full',   # 'full', 'first' (cosmos-rl data_on_first_only) or 'random_step'
       data_noise='rollout',     # 'rollout' or 'fresh'

@@ -55,6 +55,7 @@ def get_config(arg='ddrl'):
       base_checkpoint='checkpoints/ocr_tiny_base',   # relative to the repository root
       require_base=True,                             # the RL job refuses to start from random weights
       data_seed=0,
+      pretrain_style='all',                          # pretraining renders: 'all' or 'dark_text' (a shifted base)
   ))
   c.pretrain = ml_collections.ConfigDict(dict(
       seed=0, steps=7000, batch=64, learning_rate=1e-3, warmup_steps=300, weight_decay=0.0,
@@ -62,6 +63,7 @@ def get_config(arg='ddrl'):
       loss='x0', min_t=0.05,          # x0-space loss (see ddrl_jax/pretrain.py); min_t as ocr.min_t
       t_dist='uniform',
       checkpoint_every=500,
+      init_from='',                   # a params export to start from (fine-tuning, e.g. SFT of a base)
   ))
   common.apply_algorithm_preset(c, 'ddrl' if arg == 'ddrl_synthetic' else arg)
   if arg == 'ddrl_synthetic':

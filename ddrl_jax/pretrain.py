@@ -13,6 +13,8 @@ export of the EMA weights (`export`, what config.ocr.base_checkpoint loads) next
 `eval_every` steps the task evaluates EMA samples (deterministic sampler) and an image grid is written.
 SIGTERM / SIGINT finish the running step, save the checkpoint and export, and exit 0 (a second signal
 exits at once); rerunning the same command resumes, and metrics.jsonl drops the rows of re-run steps.
+config.pretrain.init_from (a params export) starts from trained weights instead: fine-tuning, e.g. the
+supervised fine-tuning of a shifted base on the target renders (benchmarks/ocr_table.py).
 """
 import logging
 import os
@@ -45,6 +47,7 @@ from ddrl_jax.parallel import hosts
 from ddrl_jax.rl import diffusion_loss
 
 logger = logging.getLogger('ddrl_jax.pretrain')   # not __name__: it is '__main__' under python -m
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # relative init_from paths
 
 
 def make_step(apply_fn, optimizer, c):
@@ -115,6 +118,13 @@ def pretrain(config, workdir, progress=True):
   mesh = parallel.make_mesh(config.mesh, jax.devices())
   key = jax.random.key(c.seed)
   apply_fn, params = task.init_untrained(jax.random.fold_in(key, 0))   # never from the base it makes
+  if c.get('init_from'):        # fine-tuning (e.g. supervised fine-tuning of a base on other data)
+    path = c.init_from if os.path.isabs(c.init_from) else os.path.join(REPO_ROOT, c.init_from)
+    if not os.path.exists(path):
+      raise cli.UsageError(f'config.pretrain.init_from={c.init_from!r} does not exist',
+                           'give a params export (a pretraining workdir\'s export/, or checkpoints/...)')
+    params = params_io.load_params(path, params, 'config.pretrain.init_from')
+    logger.info('pretraining starts from %s', path)
   schedule = optax.warmup_cosine_decay_schedule(0.0, c.learning_rate, c.warmup_steps, c.steps,
                                                 end_value=c.learning_rate * 0.05)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),

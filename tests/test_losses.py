@@ -501,3 +501,39 @@ def test_public_data_loss_gradient_equals_the_plain_scan(rollouts, tiny_mlp, dat
   public, reference = (jax.jit(jax.value_and_grad(lambda p, f=f: f(tiny_mlp.apply_fn, p, *args)))
                        for f in (rl.data_loss, rl.data_loss_reference))
   chex.assert_trees_all_close(public(tiny_mlp.params), reference(tiny_mlp.params), rtol=1e-5, atol=1e-7)
+
+
+def test_pg_weight_zero_leaves_only_the_regularizer(rollouts, tiny_mlp):
+  """rl.pg_weight (the data-term-only control of benchmarks/ocr_table.py): at 0 the DDRL gradient is
+  loss_scale * data_beta times rl.data_loss's gradient, FlowGRPO's is loss_scale * kl_beta times the KL's;
+  at 0.5 the policy-gradient part is half of pg_weight 1's; pg_loss is reported unweighted."""
+  s, traj = rollouts['ddrl']
+  steps, adv, cond, key = _steps((0, 2, 4)), _advantages(), _cond(), jax.random.key(11)
+  params = _perturb(tiny_mlp.params, 0.05)
+  data = rl.DataTerm(_data_x0(), cond, beta=0.3, steps='full', cond_dropout=0.0)
+  alg = rl.ALGORITHMS['ddrl']
+
+  def ddrl(weight):
+    opts = rl.RLOptions(clip_range=1e-4, loss_scale=10.0, pg_weight=weight)
+    return alg.loss_and_grad(tiny_mlp.apply_fn, params, None, s, traj, adv, steps, cond, data, key, opts)
+
+  loss0, m0, g0 = ddrl(0.0)
+  _, want = jax.value_and_grad(lambda p: rl.data_loss(tiny_mlp.apply_fn, p, s, traj, steps, data, key))(params)
+  chex.assert_trees_all_close(g0, jax.tree.map(lambda g: 10.0 * 0.3 * g, want), rtol=1e-5, atol=1e-8)
+  np.testing.assert_allclose(float(loss0), 10.0 * 0.3 * float(m0['data_loss']), rtol=1e-6)
+  assert abs(float(m0['pg_loss'])) > 0                         # still measured, not weighted in
+  _, m1, g1 = ddrl(1.0)
+  _, _, gh = ddrl(0.5)
+  chex.assert_trees_all_close(jax.tree.map(lambda a, b: a - b, gh, g0),
+                              jax.tree.map(lambda a, b: 0.5 * (a - b), g1, g0), rtol=1e-4, atol=1e-7)
+  assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0))) > 1e-4
+
+  s, traj = rollouts['flow_grpo']
+  ref = tiny_mlp.params
+  fg = rl.ALGORITHMS['flow_grpo']
+  only_kl = fg.loss_and_grad(tiny_mlp.apply_fn, params, ref, s, traj, adv, steps, cond, None, key,
+                             rl.RLOptions(clip_range=1e-4, kl_beta=0.2, pg_weight=0.0))
+  no_adv = fg.loss_and_grad(tiny_mlp.apply_fn, params, ref, s, traj, jnp.zeros_like(adv), steps, cond, None,
+                            key, rl.RLOptions(clip_range=1e-4, kl_beta=0.2))
+  chex.assert_trees_all_close(only_kl[2], no_adv[2], rtol=1e-5, atol=1e-8)   # zero advantages: KL only
+  np.testing.assert_allclose(float(only_kl[0]), 0.2 * float(only_kl[1]['kl']), rtol=1e-6)

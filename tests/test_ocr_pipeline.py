@@ -49,6 +49,38 @@ def test_pretrain_resumes_exactly_and_exports_loadable_weights(tmp_path):
   c.ocr.require_base = True
   _, params = ocr.OCRTask(c).init_model(jax.random.key(5))
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), params, straight)
+  # config.pretrain.init_from starts from that export (supervised fine-tuning): at learning rate 0 the
+  # weights, and so their EMA, stay the export's.
+  started = pretrain.pretrain(tiny_config(steps=2, learning_rate=0.0, init_from=str(tmp_path / 'a' / 'export')),
+                              tmp_path / 'c', progress=False)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), started, straight)
+
+
+def test_pretrain_init_from_a_missing_export_is_a_clear_error(tmp_path):
+  from ddrl_jax import cli  # pylint: disable=g-import-not-at-top
+  with pytest.raises(cli.UsageError, match='init_from'):
+    pretrain.pretrain(tiny_config(init_from=str(tmp_path / 'nope')), tmp_path / 'x', progress=False)
+
+
+def test_pretrain_style_dark_text_forces_the_polarity_and_keeps_the_stream():
+  """config.ocr.pretrain_style='dark_text' (the shifted base's data): every render has dark ink on a light
+  background; renders that were dark-on-light in 'all' are bit-equal (same random numbers)."""
+  from ddrl_jax.tasks import text_render  # pylint: disable=g-import-not-at-top
+  c = tiny_config()
+  full = ocr.OCRTask(c).pretrain_batch(3, 32)
+  c.ocr.pretrain_style = 'dark_text'
+  dark = ocr.OCRTask(c).pretrain_batch(3, 32)
+  np.testing.assert_array_equal(full[1], dark[1])                  # the same strings
+  luma = lambda x: (0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).reshape(len(x), -1)
+  def is_dark_text(x):     # the ink (darkest 10% of pixels) far below the background (the median)
+    l = luma(x)
+    return np.median(l, 1) - np.quantile(l, 0.05, axis=1) > np.quantile(l, 0.95, axis=1) - np.median(l, 1)
+  assert is_dark_text(dark[0]).all()
+  was_dark = is_dark_text(full[0])
+  assert 0 < was_dark.sum() < len(was_dark)                        # 'all' mixes both polarities
+  np.testing.assert_array_equal(dark[0][was_dark], full[0][was_dark])
+  with pytest.raises(ValueError, match='style subset'):
+    text_render.sample_style(np.random.default_rng(0), 'italic')
 
 
 def test_missing_base_checkpoint_is_a_clear_error(tmp_path):

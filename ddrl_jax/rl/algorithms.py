@@ -270,7 +270,7 @@ def data_loss_reference(apply_fn, params, sampler, traj, steps, data, key):
 def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
             log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
             data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout', kl_form='exact',
-            drop_zero_advantages=False):
+            drop_zero_advantages=False, pg_weight=1.0):
   """The shared clipped policy-gradient loss with optional reverse-KL and data terms.
 
   Args:
@@ -300,6 +300,8 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
       `samples["advantages"]` before training): rollouts whose advantage is exactly 0 leave the update,
       so the policy-gradient and KL means run over the other rollouts (all rollouts dropped: 0).
       FlowGRPO also re-adds random dropped samples until its batch splits evenly; that is not done here.
+    pg_weight: weight of the policy-gradient term (1; 0 trains the KL and data terms alone, a control
+      that separates what the data term does by itself). The metric pg_loss stays unweighted.
   Returns:
     (loss, metrics dict of scalars).
 
@@ -309,7 +311,7 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
   """
   opts = dict(clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
               loss_scale=loss_scale, old_mean=old_mean, kl_form=kl_form,
-              drop_zero_advantages=drop_zero_advantages)
+              drop_zero_advantages=drop_zero_advantages, pg_weight=pg_weight)
   _check_rl_options(old_mean, kl_beta, ref_params, kl_form, sampler)
 
   def reference(p, ref, rest):
@@ -329,7 +331,7 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
 def rl_loss_reference(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
                       log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
                       data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout',
-                      kl_form='exact', drop_zero_advantages=False):
+                      kl_form='exact', drop_zero_advantages=False, pg_weight=1.0):
   """`rl_loss` (same arguments and value) as a plain scan over the K trained steps: reverse mode through it
   keeps the residuals of every step (module docstring). The form the others are tested against."""
   _check_rl_options(old_mean, kl_beta, ref_params, kl_form, sampler)
@@ -337,10 +339,10 @@ def rl_loss_reference(apply_fn, params, sampler, traj, advantages, steps, cond, 
   step = functools.partial(_policy_step, apply_fn, sampler, advantages, cond, ref_params=ref_params,
                            clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
                            old_mean=old_mean, kl_form=kl_form,
-                           drop_zero_advantages=drop_zero_advantages)
+                           drop_zero_advantages=drop_zero_advantages, pg_weight=pg_weight)
   _, per_step = jax.lax.scan(lambda _, pick: (None, step(params, pick)[1]), None, picked)
   metrics = _step_metrics(per_step)
-  total = metrics['pg_loss']
+  total = pg_weight * metrics['pg_loss']
   if kl_beta > 0:
     total = total + kl_beta * metrics['kl']
   if data is not None:
@@ -354,7 +356,7 @@ def rl_loss_reference(apply_fn, params, sampler, traj, advantages, steps, cond, 
 def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
                      log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
                      data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout',
-                     kl_form='exact', drop_zero_advantages=False):
+                     kl_form='exact', drop_zero_advantages=False, pg_weight=1.0):
   """`rl_loss` with its gradient accumulated one trained step at a time (module docstring).
 
   Same arguments as `rl_loss`. Returns (loss, metrics, grads): the loss and metrics equal rl_loss's, and
@@ -365,7 +367,7 @@ def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, k
   step = functools.partial(_policy_step, apply_fn, sampler, advantages, cond, ref_params=ref_params,
                            clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
                            old_mean=old_mean, kl_form=kl_form,
-                           drop_zero_advantages=drop_zero_advantages)
+                           drop_zero_advantages=drop_zero_advantages, pg_weight=pg_weight)
 
   def body(acc, step_k):      # step_k (B, N): this step's inputs are gathered here, one step at a time
     (_, out), grads = jax.value_and_grad(step, has_aux=True)(params, samplers.gather_step(traj, step_k))
@@ -373,7 +375,7 @@ def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, k
 
   grads, per_step = jax.lax.scan(body, f32_zeros(params), jnp.moveaxis(steps, -1, 0))
   metrics = _step_metrics(per_step)
-  total = metrics['pg_loss']
+  total = pg_weight * metrics['pg_loss']
   if kl_beta > 0:
     total = total + kl_beta * metrics['kl']
   if data is not None:
@@ -452,8 +454,9 @@ def sample_mean(per_sample, keep):
 
 
 def _policy_step(apply_fn, sampler, advantages, cond, params, pick, *, ref_params, clip_range,
-                 log_ratio_form, kl_beta, old_mean, kl_form='exact', drop_zero_advantages=False):
-  """One trained step's policy terms: (pg + kl_beta * kl, metrics of the step); pick as gather_steps'
+                 log_ratio_form, kl_beta, old_mean, kl_form='exact', drop_zero_advantages=False,
+                 pg_weight=1.0):
+  """One trained step's policy terms: (pg_weight * pg + kl_beta * kl, metrics of the step); pick as gather_steps'
   entries at one k ((B, N, ...) fields)."""
   inp = _step_inputs(pick)
   mean_theta = sampler.batched_step(apply_fn, params, inp, cond)[0]
@@ -466,7 +469,7 @@ def _policy_step(apply_fn, sampler, advantages, cond, params, pick, *, ref_param
              approx_kl=0.5 * (lr**2).mean())
   if keep is not None:
     out['kept_fraction'] = keep.mean()
-  term = out['pg_loss']
+  term = pg_weight * out['pg_loss']
   if kl_beta > 0:
     mean_ref = jax.lax.stop_gradient(sampler.batched_step(apply_fn, ref_params, inp, cond)[0])
     kl = step_kl(mean_theta, mean_ref, pick['std'], pick['sigma_in'], pick['sigma_next'], sampler.kind,
@@ -535,7 +538,8 @@ class RLOptions:
   clip_range: PPO clip of the ratio; log_ratio: '' (the algorithm's), 'cosmos' or 'gaussian';
   loss_scale: multiplies the loss; old_mean: 'rollout' (ratio against the stored rollout means) or
   'current'; drop_zero_advantages: FlowGRPO's filtered mean; kl_beta, kl_form: the reverse KL to the
-  reference of the algorithms that hold one ('exact' or 'flow_grpo')."""
+  reference of the algorithms that hold one ('exact' or 'flow_grpo'); pg_weight: the policy gradient's
+  weight (0: a control without it)."""
   clip_range: float
   log_ratio: str = ''
   loss_scale: float = 1.0
@@ -543,6 +547,7 @@ class RLOptions:
   drop_zero_advantages: bool = False
   kl_beta: float = 0.0
   kl_form: str = 'exact'
+  pg_weight: float = 1.0
 
   @classmethod
   def from_mapping(cls, mapping):
@@ -593,7 +598,7 @@ class Algorithm:
                       f'got {type(options).__name__}')
     kw = dict(clip_range=options.clip_range, log_ratio_form=options.log_ratio or self.default_log_ratio,
               loss_scale=options.loss_scale, old_mean=options.old_mean,
-              drop_zero_advantages=options.drop_zero_advantages)
+              drop_zero_advantages=options.drop_zero_advantages, pg_weight=options.pg_weight)
     if self.uses_data:
       kw['data'] = data
     if self.uses_reference:

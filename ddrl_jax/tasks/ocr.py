@@ -104,8 +104,10 @@ class OCRTask(base.FamilyTask):
     return jnp.asarray(to_pixels(np.stack(images)))
 
   def pretrain_batch(self, step, batch):
-    """Batch `step` of the deterministic pretraining stream: (x0 (B, 3, H, W), ids (B, L))."""
-    texts, images = text_render.batch(self.c.data_seed, range(step * batch, (step + 1) * batch))
+    """Batch `step` of the deterministic pretraining stream: (x0 (B, 3, H, W), ids (B, L)), in the
+    styles of config.ocr.pretrain_style (text_render.STYLE_SUBSETS; the RL data term always uses 'all')."""
+    texts, images = text_render.batch(self.c.data_seed, range(step * batch, (step + 1) * batch),
+                                      style=self.c.get('pretrain_style', 'all'))
     return to_pixels(images), self.ids_of(texts)
 
   # --------------------------------------------------------------------------------- rewards

@@ -27,6 +27,9 @@ MIN_LEN, MAX_LEN = 3, 5
 HELD_OUT_EVERY = 8                      # 1 string in 8 (by hash) is held out
 TEXTURES = ('none', 'stripes', 'checks', 'speckle')
 FONTS = ('DejaVuSansMono.ttf', 'DejaVuSansMono-Bold.ttf')
+# Style subsets (config.ocr.pretrain_style): 'all' is the data; 'dark_text' keeps only dark ink on a light
+# background (60% of 'all'), the style a shifted base model is pretrained on (benchmarks/ocr_table.py).
+STYLE_SUBSETS = ('all', 'dark_text')
 
 
 def split_of(text):
@@ -62,9 +65,12 @@ def _luma(rgb):
   return 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]
 
 
-def sample_style(rng):
-  """A random style with |luma(ink) - luma(background)| >= 0.45 at every point of the gradient."""
-  dark_text = rng.random() < 0.6
+def sample_style(rng, subset='all'):
+  """A random style with |luma(ink) - luma(background)| >= 0.45 at every point of the gradient, from
+  `subset` (STYLE_SUBSETS; 'dark_text' draws the same random numbers, only the polarity is forced)."""
+  if subset not in STYLE_SUBSETS:
+    raise ValueError(f'style subset {subset!r} is unknown; known: {STYLE_SUBSETS}')
+  dark_text = rng.random() < 0.6 or subset == 'dark_text'
   base = rng.uniform(0.6, 1.0, 3) if dark_text else rng.uniform(0.0, 0.35, 3)
   end = np.clip(base + rng.uniform(-0.15, 0.15, 3), 0, 1)
   while True:
@@ -125,16 +131,17 @@ def render(text, style, rng):
   return np.round(np.clip(img, 0, 1) * 255).astype(np.uint8)
 
 
-def example(seed, index, split='train'):
-  """(text, (HEIGHT, WIDTH, 3) uint8 image): example `index` of `split`, a pure function of its args."""
+def example(seed, index, split='train', style='all'):
+  """(text, (HEIGHT, WIDTH, 3) uint8 image): example `index` of `split` in a style of the subset
+  `style`, a pure function of its args."""
   rng = np.random.default_rng([seed, index, 0 if split == 'train' else 1])
   text = sample_text(rng, split)
-  return text, render(text, sample_style(rng), rng)
+  return text, render(text, sample_style(rng, style), rng)
 
 
-def batch(seed, indices, split='train'):
+def batch(seed, indices, split='train', style='all'):
   """(list of texts, (B, HEIGHT, WIDTH, 3) uint8) of several examples."""
-  texts, images = zip(*(example(seed, int(i), split) for i in indices))
+  texts, images = zip(*(example(seed, int(i), split, style) for i in indices))
   return list(texts), np.stack(images)
 
 
