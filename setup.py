@@ -31,6 +31,7 @@ INSTALL_REQUIRES = [
     # wheel; it pulls opencv-python, whose cv2 needs the system's libGL.so.1.
     'rapidocr-onnxruntime==1.4.4',
     'onnxruntime==1.32.0',
+    'onnx==1.20.1',              # exposes the recognizer's features for the Frechet judge (tasks/ocr_judges.py)
     'safetensors',               # ddrl_jax.export_lora writes diffusers LoRA files (numpy API, no torch)
     'regex',                     # Wan's prompt cleaning, as diffusers' (also a transformers dependency)
 ]

@@ -9,7 +9,24 @@ seeds per method, with confidence intervals, two OCR readers and the hacking sta
       --workdir=workdir_ocr_lora --out=benchmarks/ocr_lora        # LoRA against full fine-tuning
 
 A method '<preset>+lora<r>' is the preset with LoRA adapters of rank r, alpha 2r, on the default targets
-(the DiT blocks' attention projections), at LORA_LEARNING_RATE.
+(the DiT blocks' attention projections), at LORA_LEARNING_RATE. A method may be a named arm (ARMS: the
+controls) and may carry config overrides, '<method>@<key>=<value>@...' (values as Python literals, else
+strings), e.g. 'ddrl@rl.data_beta=0.03' or 'flow_grpo_exact_kl@rl.kl_beta=0.1'; its workdir is named after
+the whole string. --base=<key>=<value>@... overrides the base model's config (a shifted base) for the
+'base' row and every cell.
+
+The Pareto sweeps (issue 28) and the shifted-base table, each in its own workdir:
+  python benchmarks/ocr_table.py --name=ocr_pareto --workdir=workdir_ocr_pareto \
+      --cells="$(python benchmarks/ocr_table.py --print_plan=pareto)" --budget_minutes=N
+  python benchmarks/ocr_table.py --name=ocr_shifted --workdir=workdir_ocr_shifted \
+      --base=ocr.base_checkpoint=checkpoints/ocr_tiny_base_dark --cells=... --budget_minutes=N
+
+Judges (ddrl_jax/tasks/ocr_judges.py) score every evaluation when they are available: `typicality` (an
+independent model's denoising error; needs checkpoints/ocr_tiny_judge) and `fd_recognizer` (Frechet
+distance to real renders in RapidOCR's recognizer features). Every evaluation's held-out samples are
+kept (<workdir>/<method>/seed<s>/samples/it<iteration>.npz, the base's in <workdir>/base/), so
+--rejudge adds a judge to rows recorded before it existed. Rows carry the machine's boot id: the report
+names cells run on another machine (their numbers are not bit-comparable; RESULTS.md, issue 14).
 
 Every cell (method, seed) starts from configs/ocr_tiny.py's shipped base model and runs the same
 iterations of 8 prompts x 8 rollouts with the same SDE sampler (methods differ in their objective; the
@@ -33,7 +50,9 @@ every method at the first evaluation where it reached DDRL's final OCR (regulari
 (ocr_table.jsonl / ocr_table*.png are the earlier 80-iteration, one-seed table of RESULTS.md.)
 """
 import argparse
+import ast
 import collections
+import re
 import json
 import math
 import os
@@ -54,6 +73,7 @@ from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import xla_flags
 from ddrl_jax.models import lora
+from ddrl_jax.tasks import ocr_judges
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -87,14 +107,82 @@ DATA_REFERENCE = {'style_drift': 'data_style_drift', 'diversity': 'data_diversit
 LORA_LEARNING_RATE = 1e-3     # 10x the full fine-tuning rate of configs/ocr_tiny.py
 
 
+# Named arms: (ocr_tiny preset, overrides). The controls of issue 28: the data term alone (no policy
+# gradient), and FlowGRPO's exact KL with everything else DDRL's (cosmos-rl advantages, DDRL's 5 trained
+# steps 0, 2, ..., 8 instead of 9, no zero-advantage dropping).
+ARMS = {
+    'ddrl_data_only': ('ddrl', {'rl.pg_weight': 0.0}),
+    'flow_grpo_ddrl_recipe': ('flow_grpo_exact_kl', {'rl.adv_normalization': 'cosmos',
+                                                     'rl.drop_zero_advantages': False,
+                                                     'rl.train_steps': (0, 2, 4, 6, 8)}),
+}
+# The Pareto sweeps (issue 28, item 2): DDRL's data_beta and exact-KL FlowGRPO's kl_beta, 3 seeds each,
+# and the controls (the data-term-only control runs 50 iterations: --iterations applies to all cells, so
+# it gets its own command, see RESULTS.md).
+DATA_BETAS = (0.003, 0.01, 0.03, 0.1, 0.3)
+KL_BETAS = (0.004, 0.01, 0.04, 0.1, 0.3)
+PLANS = {
+    'pareto': ';'.join([f'ddrl@rl.data_beta={b}:0,1,2' for b in DATA_BETAS] +
+                       [f'flow_grpo_exact_kl@rl.kl_beta={b}:0,1,2' for b in KL_BETAS]),
+    'controls': 'flow_grpo_ddrl_recipe:0,1,2',
+    'data_only': 'ddrl_data_only:0,1,2',
+}
+
+
+def parse_overrides(text):
+  """'rl.data_beta=0.03@rl.kl_form=exact' -> {'rl.data_beta': 0.03, 'rl.kl_form': 'exact'}."""
+  out = {}
+  for item in filter(None, text.split('@')):
+    key, eq, value = item.partition('=')
+    if not eq or not re.fullmatch(r'[A-Za-z_][\w.]*', key):
+      raise ValueError(f'override {item!r} is not <config.key>=<value>')
+    try:
+      out[key] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      out[key] = value
+  return out
+
+
+def apply_overrides(config, overrides, what):
+  """Sets each dotted key of `overrides` on `config`; an unknown key raises naming `what`."""
+  for key, value in overrides.items():
+    *parents, leaf = key.split('.')
+    node = config
+    for p in parents:
+      if p not in node:
+        raise ValueError(f'{what}: config has no section {p!r} (in {key!r})')
+      node = node[p]
+    if leaf not in node:
+      raise ValueError(f'{what}: config has no key {key!r}')
+    setattr(node, leaf, tuple(value) if isinstance(value, list) else value)
+  return config
+
+
 def make_config(method):
-  """The ocr_tiny preset of `method`, with LoRA for '<preset>+lora<r>'."""
-  preset, _, rank = method.partition('+lora')
+  """The config of `method`: '<preset or arm>[+lora<r>][@key=value...]' (module docstring)."""
+  name, _, overrides = method.partition('@')
+  preset, _, rank = name.partition('+lora')
+  preset, arm = ARMS.get(preset, (preset, {}))
   config = ocr_tiny.get_config(preset)
+  apply_overrides(config, arm, method)
   if rank:
     config.lora.update(rank=int(rank), alpha=2.0 * int(rank))
     config.optim.learning_rate = LORA_LEARNING_RATE
-  return config
+  return apply_overrides(config, parse_overrides(overrides), method)
+
+
+def cell_dirname(method):
+  """A directory name for a method string (overrides included)."""
+  return re.sub(r'[^\w.+=-]', '_', method.replace('@', '__'))
+
+
+def boot_id():
+  """This machine instance's boot id (Linux), else the host name."""
+  try:
+    with open('/proc/sys/kernel/random/boot_id', encoding='utf-8') as f:
+      return f.read().strip()
+  except OSError:
+    return platform.node()
 
 
 def parse_cells(text):
@@ -102,8 +190,8 @@ def parse_cells(text):
   has every method at seed 0 before any method at seed 1."""
   cells = []
   for part in filter(None, (p.strip() for p in text.split(';'))):
-    method, _, seeds = part.partition(':')
-    if not seeds:
+    method, _, seeds = part.rpartition(':')
+    if not (method and seeds):
       raise ValueError(f'--cells entry {part!r} is not method:seed[,seed...]')
     cells += [(method.strip(), int(s)) for s in seeds.split(',')]
   for method, _ in cells:
@@ -145,6 +233,30 @@ class Runner:
     self.deadline = time.monotonic() + 60 * args.budget_minutes if args.budget_minutes > 0 else None
     self.reference = None
     self.cells = []
+    self._judges = None
+
+  def base_config(self, method='ddrl'):
+    """make_config(method) with --base's overrides (the model every cell starts from)."""
+    return apply_overrides(make_config(method), parse_overrides(self.args.base), '--base')
+
+  def judges(self, config):
+    """{name: judge} of the judges available here (built once; module docstring)."""
+    if self._judges is None:
+      self._judges = {}
+      if not self.args.no_judges:
+        cache = os.path.join(self.args.workdir, 'recognizer_reference.npy')
+        fd = ocr_judges.FrechetJudge(reference_features=np.load(cache) if os.path.exists(cache) else None)
+        np.save(cache, fd.reference)
+        self._judges['fd_recognizer'] = fd
+        try:
+          self._judges['typicality'] = ocr_judges.TypicalityJudge(config)
+        except FileNotFoundError as e:
+          print(f'no typicality judge: {e}', flush=True)
+    return self._judges
+
+  def samples_path(self, method, seed, iteration):
+    where = 'base' if method == 'base' else os.path.join(cell_dirname(method), f'seed{seed}')
+    return os.path.join(self.args.workdir, where, 'samples', f'it{iteration:04d}.npz')
 
   def out_of_time(self):
     return self.deadline is not None and time.monotonic() > self.deadline
@@ -159,10 +271,11 @@ class Runner:
     metrics, grid, stats = evaluate_lib.evaluate_ocr(
         config, trainer.apply_fn, lora.combine(trainer.state.params, trainer.state.frozen), trainer.task,
         prompts=a.prompts,
-        per_prompt=a.per_prompt, reference_stats=self.reference, return_stats=True)
+        per_prompt=a.per_prompt, reference_stats=self.reference, return_stats=True,
+        judges=self.judges(config), samples_path=self.samples_path(method, seed, iteration))
     rollout, train = passes_per_condition(config) if method != 'base' else (0, 0)
     row = dict(self.meta, method=method, seed=seed, iteration=iteration, train_seconds=train_seconds,
-               passes_rollout=rollout, passes_train=train, **metrics)
+               passes_rollout=rollout, passes_train=train, boot_id=boot_id(), **metrics)
     self.rows.append(row)
     append_row(self.rows_path, row)
     shown = {k: round(row[k], 4) for k, _, _ in COLUMNS if k in row}
@@ -172,14 +285,14 @@ class Runner:
   def base(self):
     """The base model's evaluation (once) and its image statistics, the reference of 'drift from base'."""
     stats_path = os.path.join(self.args.workdir, 'base_stats.npy')
-    config = ocr_tiny.get_config('ddrl')
+    config = self.base_config()
     trainer = trainer_lib.Trainer(config, os.path.join(self.args.workdir, 'base'))
     trainer.restore_or_init()
     if not self.recorded('base', 0, 0) or not os.path.exists(stats_path):
       self.rows = [r for r in self.rows if r['method'] != 'base']
       grid, stats = self.evaluate(config, trainer, 'base', 0, 0, 0.0)
       np.save(stats_path, stats)
-      image_grid.write_grid(os.path.join(self.args.out, 'ocr_methods_base.png'), grid,
+      image_grid.write_grid(os.path.join(self.args.out, f'{self.args.name}_base.png'), grid,
                             columns=self.args.per_prompt * 2)
     trainer.close_rewards()
     self.reference = np.load(stats_path)
@@ -187,12 +300,13 @@ class Runner:
   def cell(self, method, seed):
     """Trains one cell from its latest checkpoint to --iterations, evaluating every --eval_every."""
     a = self.args
-    config = make_config(method)
+    config = apply_overrides(make_config(method.partition('@')[0]), parse_overrides(a.base), '--base')
+    apply_overrides(config, parse_overrides(method.partition('@')[2]), method)   # the cell's own last
     config.seed = seed
     config.num_iterations = a.iterations
     config.checkpoint_every = a.eval_every
     config.eval_every = -1
-    trainer = trainer_lib.Trainer(config, os.path.join(a.workdir, method, f'seed{seed}'))
+    trainer = trainer_lib.Trainer(config, os.path.join(a.workdir, cell_dirname(method), f'seed{seed}'))
     start = trainer.restore_or_init()
     if start >= a.iterations and self.recorded(method, seed, start):
       trainer.close_rewards()
@@ -219,7 +333,7 @@ class Runner:
       grid, _ = self.evaluate(config, trainer, method, seed, it, seconds)
     writer.close()
     if grid is not None and seed == min(s for m, s in self.cells if m == method):
-      image_grid.write_grid(os.path.join(a.out, f'ocr_methods_{method}.png'), grid,
+      image_grid.write_grid(os.path.join(a.out, f'{a.name}_{cell_dirname(method)}.png'), grid,
                             columns=a.per_prompt * 2)
     trainer.close_rewards()
     return it >= a.iterations
@@ -451,16 +565,216 @@ def plot(rows, path):
   plt.close(fig)
 
 
-def report(rows, out):
-  with open(os.path.join(out, 'ocr_methods.jsonl'), 'w', encoding='utf-8') as f:
+# ------------------------------------------------------------------------------- Pareto frontiers
+READERS = (('ocr_heldout', 'Tesseract'), ('ocr_heldout_rapid', 'RapidOCR'))
+# (key, title, format): the judges a frontier is drawn against (lower = closer to the data or the base).
+JUDGES = (('typicality', 'typicality (judge x0 MSE)', '.4f'),
+          ('fd_recognizer', 'FD, recognizer features', '.2f'),
+          ('style_drift_from_reference', 'drift from base', '.2f'),
+          ('heldout_diffusion_loss', 'held-out diffusion loss', '.4f'))
+
+
+def sweeps(methods):
+  """{'<name>@<key>': [(value, method), ...] sorted by value} of methods with one override that differ
+  only in its value (a sweep needs two or more)."""
+  out = collections.defaultdict(list)
+  for m in methods:
+    name, _, text = m.partition('@')
+    overrides = parse_overrides(text)
+    if len(overrides) == 1:
+      (key, value), = overrides.items()
+      if isinstance(value, (int, float)):
+        out[f'{name}@{key}'].append((float(value), m))
+  return {k: sorted(v) for k, v in out.items() if len(v) >= 2}
+
+
+def _last_rows(cells, method, iteration=None):
+  """(iteration, rows of every seed) at `iteration` or the method's last common one; (None, [])."""
+  seeds = cells.get(method)
+  if not seeds:
+    return None, []
+  common = set.intersection(*(set(evals) for evals in seeds.values()))
+  if not common:
+    return None, []
+  it = iteration if iteration is not None else max(common)
+  return it, [evals[it] for evals in seeds.values() if it in evals]
+
+
+def frontier_table(rows, iteration=None):
+  """Markdown: every setting of every sweep at its last common iteration, mean ± 95% t over seeds."""
+  cells = by_cell(rows)
+  keys = [(k, t, '.3f') for k, t in READERS] + list(JUDGES) + [('colour_spread', 'colour spread', '.2f'),
+                                                               ('diversity', 'diversity', '.2f')]
+  lines = markdown_head(['sweep', 'value', 'iteration', 'seeds'] + [t for _, t, _ in keys])
+  for sweep, members in sweeps(list(cells)).items():
+    for value, method in members:
+      it, at = _last_rows(cells, method, iteration)
+      if not at:
+        continue
+      texts = [cell_text(t_interval([r[k] for r in at]), fmt) if all(k in r for r in at) else '-'
+               for k, _, fmt in keys]
+      lines.append(f'| {sweep} | {value:g} | {it} | {len(at)} | ' + ' | '.join(texts) + ' |')
+  return '\n'.join(lines)
+
+
+def _interpolate_at(level, ys, xs):
+  """The smallest x on the piecewise-linear curve through (ys[i], xs[i]) (in sweep order) where y =
+  `level`; None if no segment reaches it."""
+  best = None
+  for (y0, x0), (y1, x1) in zip(zip(ys, xs), zip(ys[1:], xs[1:])):
+    if min(y0, y1) <= level <= max(y0, y1):
+      x = x0 if y1 == y0 else x0 + (level - y0) * (x1 - x0) / (y1 - y0)
+      best = x if best is None else min(best, x)
+  return best
+
+
+def matched_judge(rows, methods, level, judge, reward='ocr_heldout', iteration=None, draws=2000, seed=0):
+  """A sweep's `judge` value at reward `level`: the seed means of every setting joined in sweep order and
+  interpolated linearly at `level`, with a 95% bootstrap interval (seeds resampled within each setting).
+  Returns (value, low, high, bootstrap values) or None where the frontier never reaches `level`."""
+  cells = by_cell(rows)
+  per = []
+  for method in methods:
+    _, at = _last_rows(cells, method, iteration)
+    at = [r for r in at if reward in r and judge in r]
+    if not at:
+      return None
+    per.append((np.array([r[reward] for r in at]), np.array([r[judge] for r in at])))
+  value = _interpolate_at(level, [y.mean() for y, _ in per], [x.mean() for _, x in per])
+  if value is None:
+    return None
+  rng = np.random.default_rng(seed)
+  boot = []
+  for _ in range(draws):
+    picks = [rng.integers(0, len(y), len(y)) for y, _ in per]
+    v = _interpolate_at(level, [y[i].mean() for (y, _), i in zip(per, picks)],
+                        [x[i].mean() for (_, x), i in zip(per, picks)])
+    boot.append(np.nan if v is None else v)
+  boot = np.asarray(boot)
+  low, high = np.nanpercentile(boot, [2.5, 97.5])
+  return value, float(low), float(high), boot
+
+
+def matched_table(rows, levels=(0.45, 0.55), iteration=None):
+  """Markdown: each sweep's judges at matched Tesseract OCR `levels`, and the difference of the first two
+  sweeps (DDRL - FlowGRPO in the Pareto plan) with its bootstrap interval (resamples where both reach
+  the level; the share of resamples where one does not is shown)."""
+  cells = by_cell(rows)
+  fams = sweeps(list(cells))
+  if not fams:
+    return ''
+  names = list(fams)
+  head = ['Tesseract OCR', 'judge'] + [f'{n} (95% bootstrap)' for n in names]
+  if len(names) >= 2:
+    head.append(f'{names[0]} - {names[1]}')
+  lines = markdown_head(head)
+  for level in levels:
+    for judge, title, fmt in JUDGES:
+      found = [matched_judge(rows, [m for _, m in fams[n]], level, judge, iteration=iteration) for n in names]
+      texts = [('not reached' if f is None else f'{f[0]:{fmt}} [{f[1]:{fmt}}, {f[2]:{fmt}}]') for f in found]
+      if len(names) >= 2:
+        a, b = found[0], found[1]
+        if a is None or b is None:
+          texts.append('-')
+        else:
+          diff = a[3] - b[3]
+          ok = np.isfinite(diff)
+          lo, hi = np.percentile(diff[ok], [2.5, 97.5]) if ok.any() else (np.nan, np.nan)
+          missing = f'; {1 - ok.mean():.0%} of resamples miss the level' if ok.mean() < 1 else ''
+          texts.append(f'{a[0] - b[0]:+{fmt}} [{lo:+{fmt}}, {hi:+{fmt}}]{missing}')
+      lines.append(f'| {level:.2f} | {title} | ' + ' | '.join(texts) + ' |')
+  return '\n'.join(lines)
+
+
+def plot_frontiers(rows, path, iteration=None):
+  """One panel per (reader, judge): each sweep's settings at their last common iteration, seed means with
+  95% t error bars on both axes, joined in sweep order and labelled with the swept value."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  cells = by_cell(rows)
+  fams = sweeps(list(cells))
+  if not fams:
+    return
+  fig, axes = plt.subplots(len(READERS), len(JUDGES), figsize=(4.2 * len(JUDGES), 3.8 * len(READERS)),
+                           squeeze=False)
+  base = cells.get('base', {}).get(0, {}).get(0)
+  for row_ax, (reward, reader) in zip(axes, READERS):
+    for ax, (judge, title, _) in zip(row_ax, JUDGES):
+      for name, members in fams.items():
+        pts = []
+        for value, method in members:
+          _, at = _last_rows(cells, method, iteration)
+          if at and all(reward in r and judge in r for r in at):
+            (xm, xh), (ym, yh) = t_interval([r[judge] for r in at]), t_interval([r[reward] for r in at])
+            pts.append((value, xm, np.nan_to_num(xh), ym, np.nan_to_num(yh)))
+        if pts:
+          _, xm, xh, ym, yh = map(np.array, zip(*pts))
+          ax.errorbar(xm, ym, xerr=xh, yerr=yh, fmt='o-', ms=3, capsize=2, label=name)
+          for value, x, _, y, _ in pts:
+            ax.annotate(f'{value:g}', (x, y), fontsize=6)
+      if base is not None and judge in base and reward in base:
+        ax.plot([base[judge]], [base[reward]], 'k*', ms=8, label='base')
+      ax.set_xlabel(title)
+      ax.set_ylabel(f'held-out OCR ({reader})')
+      ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def machines_note(rows):
+  """Text naming the cells whose rows were recorded on another machine instance than most rows."""
+  ids = collections.Counter(r.get('boot_id', 'unrecorded') for r in rows)
+  if len(ids) <= 1:
+    return ''
+  main_id = ids.most_common(1)[0][0]
+  other = sorted({f"{r['method']}:{r['seed']}" for r in rows if r.get('boot_id', 'unrecorded') != main_id})
+  return f'rows from another machine instance than {main_id[:8]}: ' + ', '.join(other)
+
+
+def rejudge(runner):
+  """Adds the available judges to recorded rows that lack them, from the saved samples; rewrites
+  evaluations.jsonl (atomically). Returns the number of rows changed."""
+  changed = 0
+  judges = runner.judges(runner.base_config())
+  for row in runner.rows:
+    missing = [n for n in judges if n not in row]
+    path = runner.samples_path(row['method'], row['seed'], row['iteration'])
+    if missing and os.path.exists(path):
+      images, _ = evaluate_lib.load_samples(path)
+      row.update({n: float(judges[n](images)) for n in missing})
+      changed += 1
+  if changed:
+    tmp = runner.rows_path + '.tmp'
+    with open(tmp, 'w', encoding='utf-8') as f:
+      for r in runner.rows:
+        f.write(json.dumps(r) + '\n')
+    os.replace(tmp, runner.rows_path)
+  return changed
+
+
+def report(rows, out, name='ocr_methods'):
+  with open(os.path.join(out, f'{name}.jsonl'), 'w', encoding='utf-8') as f:
     for r in rows:
       f.write(json.dumps(r) + '\n')
-  plot(rows, os.path.join(out, 'ocr_methods.png'))
+  plot(rows, os.path.join(out, f'{name}.png'))
   print(table(rows))
   print()
   print(contrasts(rows))
   print()
   print(at_matched_reward(rows))
+  if sweeps(list(by_cell(rows))):
+    plot_frontiers(rows, os.path.join(out, f'{name}_frontiers.png'))
+    print()
+    print(frontier_table(rows))
+    print()
+    print(matched_table(rows))
+  note = machines_note(rows)
+  if note:
+    print()
+    print(note)
 
 
 def parse_args(argv=None):
@@ -475,6 +789,12 @@ def parse_args(argv=None):
   p.add_argument('--per_prompt', type=int, default=4)
   p.add_argument('--out', default=HERE)
   p.add_argument('--report', action='store_true', help='only write the outputs from the recorded rows')
+  p.add_argument('--name', default='ocr_methods', help='prefix of the output files in --out')
+  p.add_argument('--base', default='', help="config overrides of the base model, 'key=value@key=value'")
+  p.add_argument('--rejudge', action='store_true',
+                 help='add missing judges to recorded rows from their saved samples, then report')
+  p.add_argument('--no_judges', action='store_true', help='evaluate without the judges (tests)')
+  p.add_argument('--print_plan', choices=sorted(PLANS), help='print a --cells plan and exit')
   args = p.parse_args(argv)
   if args.eval_every < 1 or args.iterations < 1:
     p.error('--iterations and --eval_every must be >= 1')
@@ -484,14 +804,20 @@ def parse_args(argv=None):
 def main(argv=None):
   xla_flags.apply()                    # the CLIs' XLA:CPU defaults (ddrl_jax/xla_flags.py)
   args = parse_args(argv)
+  if args.print_plan:
+    print(PLANS[args.print_plan])
+    return
   cells = parse_cells(args.cells)
+  parse_overrides(args.base)
   meta = dict(date=time.strftime('%Y-%m-%d'), machine=f'{platform.machine()} {os.cpu_count()} cores',
               command=' '.join(['python'] + sys.argv))
   runner = Runner(args, meta)
-  if not args.report:
+  if args.rejudge:
+    print(f'rejudged {rejudge(runner)} rows', flush=True)
+  elif not args.report:
     runner.run(cells)
   wanted = set(cells) | {('base', 0)}
-  report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out)
+  report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out, args.name)
 
 
 if __name__ == '__main__':

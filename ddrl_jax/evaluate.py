@@ -134,13 +134,16 @@ def heldout_diffusion_loss(task, apply_fn, params, num=128, seed=7):
 
 
 def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, seed=0,
-                 reference_stats=None, return_stats=False):
+                 reference_stats=None, return_stats=False, judges=None, samples_path=None):
   """The metrics of the module docstring and a (P, K) grid of images.
 
   reference_stats: (M, S) image statistics of another model's samples of the same prompts and seed
   (e.g. the base model's, from return_stats=True); adds `style_drift_from_reference`, the style change
   that training caused, next to `style_drift` (the distance to the data).
   return_stats: also return this model's (M, S) statistics.
+  judges: {metric name: fn((M, H, W, 3) uint8 held-out samples) -> float} (e.g. tasks/ocr_judges.py's).
+  samples_path: where to write the held-out samples and their texts (np.savez_compressed: images, texts),
+  so judges can score them later (`judge_saved_samples`).
   """
   tesseract = ocr_reward.OCRReward(**dict(config.reward.kwargs.get('ocr', {})))
   rapid = ocr_reward.RapidOCRReward(**dict(config.reward.kwargs.get('ocr_rapid', {})))
@@ -186,9 +189,27 @@ def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, se
       finite_fraction=float(finite.mean()), nfe_per_image=nfe_per_image(config))
   if reference_stats is not None:
     out['style_drift_from_reference'] = ocr_metrics.style_drift(gen_stats, reference_stats)
+  for name, judge in (judges or {}).items():
+    out[name] = float(judge(generated))
+  if samples_path:
+    save_samples(samples_path, generated, texts[:n_held])
   out.update({f'stat/{n}': float(v) for n, v in zip(ocr_metrics.STAT_NAMES, gen_stats.mean(0))})
   grid = images[:min(8, prompts) * per_prompt]
   return (out, grid, gen_stats) if return_stats else (out, grid)
+
+
+def save_samples(path, images, texts):
+  """Writes (M, H, W, 3) uint8 images and their M texts (np.savez_compressed), atomically."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + '.tmp.npz'
+  np.savez_compressed(tmp, images=np.asarray(images, np.uint8), texts=np.asarray(texts))
+  os.replace(tmp, path)
+
+
+def load_samples(path):
+  """(images (M, H, W, 3) uint8, texts list) written by `save_samples`."""
+  with np.load(path) as f:
+    return f['images'], [str(t) for t in f['texts']]
 
 
 def _define_flags():

@@ -103,6 +103,10 @@ SLOW_TESTS = SLOW_TESTS | frozenset([
     'test_sd3_mmdit.py::test_lora_attaches_to_stacked_attention_and_bf16_runs',
     'test_sd3_smoke.py::test_prepare_writes_text_and_pooled_embeddings',  # test_sd3_text's equality stays
     'test_wan_dit.py::test_remat_same_output',                         # cosmos' remat test stays
+    # The issue-28 judges on real networks (minutes of ONNX and JAX on 2 cores); the Frechet closed forms
+    # and ocr_table's judge plumbing (stubbed judges) stay fast.
+    'test_ocr_data_judges.py::test_recognizer_frechet_separates_real_renders_from_corrupted_ones',
+    'test_ocr_data_judges.py::test_typicality_ranks_real_renders_below_off_manifold_images',
 ])
 # benchmarks/step_speed.py --quick, run by its tests, times the trainer, the public path, its reference
 # form and torch: minutes of compiles; the library path it times is tested in test_losses.py.

@@ -96,8 +96,8 @@ class _FakeTrainer:
 
 
 def _fake_evaluate(config, apply_fn, params, task, prompts, per_prompt, reference_stats=None,
-                   return_stats=False):
-  del config, apply_fn, task, return_stats
+                   return_stats=False, judges=None, samples_path=None):
+  del apply_fn, task, return_stats
   _FakeTrainer.calls.append(('eval',) + params)
   time.sleep(0.01)                             # longer than the 6 ms budget below
   name, step = params
@@ -105,7 +105,12 @@ def _fake_evaluate(config, apply_fn, params, task, prompts, per_prompt, referenc
   if reference_stats is not None:
     metrics['style_drift_from_reference'] = 0.5 * step
   m = prompts * per_prompt
-  return metrics, np.zeros((m, 4, 4, 3), np.uint8), np.zeros((m, 12))
+  images = np.full((m, 4, 4, 3), step, np.uint8)
+  metrics.update({n: judge(images) for n, judge in (judges or {}).items()})
+  metrics['data_beta'] = config.rl.data_beta              # what the cell's config was
+  if samples_path:
+    ocr_table.evaluate_lib.save_samples(samples_path, images, ['T'] * m)
+  return metrics, images, np.zeros((m, 12))
 
 
 @pytest.fixture
@@ -127,7 +132,7 @@ def test_a_budgeted_run_resumes_without_repeating_work_stub(tmp_path, fake_cells
   work, out = tmp_path / 'work', tmp_path / 'out'
   out.mkdir()
   argv = ['--cells=ddrl:0', '--iterations=2', '--eval_every=1', '--prompts=2', '--per_prompt=2',
-          f'--workdir={work}', f'--out={out}']
+          f'--workdir={work}', f'--out={out}', '--no_judges']
   args = ocr_table.parse_args(argv + ['--budget_minutes=0.0001'])
   assert ocr_table.Runner(args, {}).run(ocr_table.parse_cells(args.cells)) is False
   assert fake_cells == [('eval', 'base', 0), ('build', 'ddrl/seed0'), ('eval', 'ddrl/seed0', 0)]
@@ -161,7 +166,7 @@ def test_cells_run_seed_major_and_resume_where_they_stopped(tmp_path, fake_cells
   work, out = tmp_path / 'work', tmp_path / 'out'
   out.mkdir()
   argv = ['--cells=ddrl:0,1;dance_grpo:0', '--iterations=2', '--eval_every=2', '--prompts=1',
-          '--per_prompt=2', f'--workdir={work}', f'--out={out}']
+          '--per_prompt=2', f'--workdir={work}', f'--out={out}', '--no_judges']
   ocr_table.main(argv + ['--budget_minutes=0.0001'])    # one cell (no budget check before the first)
   assert _keys(work) == [('base', 0, 0), ('ddrl', 0, 0)]
   ocr_table.main(argv)
@@ -246,3 +251,102 @@ def test_methods_are_compared_where_they_reach_ddrls_reward():
   assert lines[4].startswith('| DDRL | 50 | 2 | 0.350 ± 0.000 |') and '| 4.50 ± 6.35 |' in lines[4]
   assert lines[5].startswith('| FlowGRPO | 25 | 2 | 0.360 ± 0.000 |') and '| 9.50 ± 6.35 |' in lines[5]
   assert lines[6].startswith('| DanceGRPO (never reached; its best) | 25 | 2 | 0.310 ± 0.000 |')
+
+
+# ------------------------------------------------------------------- issue 28: overrides, judges, frontiers
+def test_overrides_arms_and_plans_build_the_configs_they_name():
+  c = ocr_table.make_config('ddrl@rl.data_beta=0.03')
+  assert c.algorithm == 'ddrl' and c.rl.data_beta == 0.03
+  c = ocr_table.make_config('flow_grpo_exact_kl@rl.kl_beta=0.1@ocr.base_checkpoint=checkpoints/x')
+  assert (c.rl.kl_beta, c.rl.kl_form, c.ocr.base_checkpoint) == (0.1, 'exact', 'checkpoints/x')
+  data_only = ocr_table.make_config('ddrl_data_only')
+  assert data_only.rl.pg_weight == 0.0 and data_only.rl.data_beta == ocr_tiny.get_config('ddrl').rl.data_beta
+  recipe = ocr_table.make_config('flow_grpo_ddrl_recipe')
+  ddrl = ocr_tiny.get_config('ddrl')
+  differs = {k for k, v in recipe.rl.items() if ddrl.rl[k] != v}
+  # Only the regularizer differs; train_steps spells out what DDRL's None (its algorithm's default) means.
+  from ddrl_jax import rl  # pylint: disable=g-import-not-at-top
+  assert recipe.algorithm == 'flow_grpo' and differs == {'kl_beta', 'train_steps'}
+  assert tuple(recipe.rl.train_steps) == rl.ALGORITHMS['ddrl'].default_train_steps(ddrl.sampler.num_steps)
+  assert recipe.rl.kl_form == 'exact'
+  lora = ocr_table.make_config('ddrl+lora4@rl.data_beta=0.1')
+  assert lora.lora.rank == 4 and lora.rl.data_beta == 0.1
+  assert ocr_table.cell_dirname('ddrl@rl.data_beta=0.03') == 'ddrl__rl.data_beta=0.03'
+  with pytest.raises(ValueError, match='no key'):
+    ocr_table.make_config('ddrl@rl.data_bta=0.03')
+  with pytest.raises(ValueError, match='not <config.key>=<value>'):
+    ocr_table.make_config('ddrl@rl.data_beta')
+  cells = ocr_table.parse_cells(ocr_table.PLANS['pareto'])
+  assert len(cells) == 30 and cells[0] == ('ddrl@rl.data_beta=0.003', 0)
+  assert {ocr_table.make_config(m).rl.kl_beta for m, _ in cells if m.startswith('flow')} == set(
+      ocr_table.KL_BETAS)
+
+
+def test_a_run_with_overrides_a_shifted_base_and_judges_then_rejudges(tmp_path, fake_cells, monkeypatch):
+  """Stubbed cells: a cell's overrides and --base reach its config; every evaluation's samples are kept;
+  the judges score each evaluation; --rejudge adds a judge that did not exist when the rows were made."""
+  work, out = tmp_path / 'work', tmp_path / 'out'
+  out.mkdir()
+  judges = {'fd_recognizer': lambda images: float(images.mean())}
+  monkeypatch.setattr(ocr_table.Runner, 'judges', lambda self, config: judges)
+  argv = ['--cells=ddrl@rl.data_beta=0.3:0', '--iterations=2', '--eval_every=2', '--prompts=1',
+          '--per_prompt=2', f'--workdir={work}', f'--out={out}', '--name=pareto',
+          '--base=ocr.base_checkpoint=checkpoints/shifted@rl.data_beta=0.02']
+  ocr_table.main(argv)
+  rows = ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))
+  assert _keys(work) == [('base', 0, 0), ('ddrl@rl.data_beta=0.3', 0, 0), ('ddrl@rl.data_beta=0.3', 0, 2)]
+  assert [r['data_beta'] for r in rows] == [0.02, 0.3, 0.3]      # --base under, the cell's own on top
+  assert [r['fd_recognizer'] for r in rows] == [0.0, 0.0, 2.0]
+  assert all(r['boot_id'] for r in rows)
+  saved = work / 'ddrl__rl.data_beta=0.3' / 'seed0' / 'samples' / 'it0002.npz'
+  images, texts = ocr_table.evaluate_lib.load_samples(str(saved))
+  assert images.shape == (2, 4, 4, 3) and texts == ['T', 'T']
+  assert (work / 'base' / 'samples' / 'it0000.npz').exists()
+  assert (out / 'pareto.jsonl').exists() and (out / 'pareto_ddrl__rl.data_beta=0.3.png').exists()
+  judges['typicality'] = lambda images: float(images.max()) + 1.0
+  ocr_table.main(argv + ['--rejudge'])
+  rows = ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))
+  assert [r['typicality'] for r in rows] == [1.0, 1.0, 3.0]
+  assert [r['fd_recognizer'] for r in rows] == [0.0, 0.0, 2.0]   # kept, not recomputed
+
+
+def _sweep_rows(rng):
+  """Two sweeps of 3 settings x 3 seeds at iteration 200: OCR falls and the judge falls with strength."""
+  rows = [_row('base', 0, 0, 0.24, typicality=0.05)]
+  for name, key, values, judge0 in (('ddrl', 'rl.data_beta', (0.01, 0.1, 1.0), 0.08),
+                                    ('flow_grpo_exact_kl', 'rl.kl_beta', (0.01, 0.1, 1.0), 0.10)):
+    for i, v in enumerate(values):
+      for seed in range(3):
+        rows.append(_row(f'{name}@{key}={v}', seed, 200, 0.6 - 0.1 * i + 0.01 * (seed - 1),
+                         typicality=judge0 - 0.01 * i + 0.001 * rng.standard_normal()))
+  return rows
+
+
+def test_sweeps_frontiers_and_the_matched_comparison(tmp_path):
+  rows = _sweep_rows(np.random.default_rng(0))
+  fams = ocr_table.sweeps(list(ocr_table.by_cell(rows)))
+  assert list(fams) == ['ddrl@rl.data_beta', 'flow_grpo_exact_kl@rl.kl_beta']
+  assert [v for v, _ in fams['ddrl@rl.data_beta']] == [0.01, 0.1, 1.0]
+  # OCR 0.55 lies halfway between the first two settings (seed means 0.6 and 0.5).
+  methods = [m for _, m in fams['ddrl@rl.data_beta']]
+  value, low, high, boot = ocr_table.matched_judge(rows, methods, 0.55, 'typicality')
+  cells = ocr_table.by_cell(rows)
+  mean = lambda m: np.mean([cells[m][s][200]['typicality'] for s in range(3)])
+  assert value == pytest.approx(0.5 * (mean(methods[0]) + mean(methods[1])))
+  assert low <= value <= high and boot.shape == (2000,)
+  assert ocr_table.matched_judge(rows, methods, 0.9, 'typicality') is None       # never reached
+  text = ocr_table.matched_table(rows, levels=(0.55,))
+  line = [l for l in text.splitlines() if 'typicality' in l][0]
+  assert 'ddrl@rl.data_beta - flow_grpo_exact_kl@rl.kl_beta' in text
+  other = ocr_table.matched_judge(rows, [m for _, m in fams['flow_grpo_exact_kl@rl.kl_beta']], 0.55, 'typicality')
+  assert f'{value - other[0]:+.4f} [' in line and -0.025 < value - other[0] < -0.015   # ~0.08 - 0.10
+  assert 'not reached' in ocr_table.matched_table(rows, levels=(0.95,))
+  table = ocr_table.frontier_table(rows)
+  assert len([l for l in table.splitlines() if l.startswith('| ddrl@')]) == 3
+  ocr_table.plot_frontiers(rows, str(tmp_path / 'f.png'))
+  assert (tmp_path / 'f.png').stat().st_size > 1000
+
+
+def test_print_plan(capsys):
+  ocr_table.main(['--print_plan=controls'])
+  assert capsys.readouterr().out.strip() == 'flow_grpo_ddrl_recipe:0,1,2'
