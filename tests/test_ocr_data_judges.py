@@ -69,3 +69,16 @@ def test_typicality_ranks_real_renders_below_off_manifold_images():
   np.testing.assert_allclose(judge.per_image(real[:8]), r[:8], rtol=1e-5)   # batching: round-off only
   with pytest.raises(FileNotFoundError, match='pretrain'):
     ocr_judges.TypicalityJudge(ocr_tiny.get_config(), checkpoint='checkpoints/no_such_judge')
+
+
+def test_calibration_reads_back_the_tiles_of_a_written_grid(tmp_path):
+  """benchmarks/ocr_judges.py judges the earlier table's samples from its PNG grids: the tiles it cuts
+  are the images image_grid.write_grid wrote (empty cells of the last row dropped)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
+  import ocr_judges as calibration  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import image_grid  # pylint: disable=g-import-not-at-top
+  images = np.random.default_rng(0).integers(0, 250, (5, text_render.HEIGHT, text_render.WIDTH, 3), np.uint8)
+  image_grid.write_grid(str(tmp_path / 'g.png'), images, columns=4)
+  np.testing.assert_array_equal(calibration.grid_tiles(str(tmp_path / 'g.png')), images)
