@@ -58,7 +58,8 @@ def base_samples(config, noise_seed, prompts=64, per_prompt=4):
 def judge_row(name, images, typicality, fd, base_stats, data_stats):
   t_mean, t_half = _t(typicality.per_image(images))
   stats = ocr_metrics.batch_stats(images)
-  return dict(set=name, n=len(images), typicality=t_mean, typicality_half=t_half, fd_recognizer=fd(images),
+  return dict(set=name, n=len(images), typicality=t_mean, typicality_half=t_half,
+              typicality_outside=typicality.outside_fraction(images), fd_recognizer=fd(images),
               style_drift_from_base=ocr_metrics.style_drift(stats, base_stats),
               style_drift_to_data=ocr_metrics.style_drift(stats, data_stats),
               colour_spread=ocr_metrics.colour_spread(stats, data_stats)[2])
@@ -111,12 +112,14 @@ def main(argv=None):
       rows.append(row)
       f.write(json.dumps(row) + '\n')
       print(json.dumps({k: row[k] for k in ('set', 'n', 'typicality', 'fd_recognizer')}), flush=True)
-  print('| images | N | typicality (judge x0 MSE, 95% t) | FD recognizer | style drift from base | '
-        'style drift to data | colour spread |')
-  print('|---|---|---|---|---|---|---|')
+  low, high = typicality.real_range()
+  print(f'(real renders\' central 95% of typicality: [{low:.4f}, {high:.4f}])')
+  print('| images | N | typicality (judge x0 MSE, 95% t) | outside real range | FD recognizer | '
+        'style drift from base | style drift to data | colour spread |')
+  print('|---|---|---|---|---|---|---|---|')
   for r in rows:
     print(f"| {r['set']} | {r['n']} | {r['typicality']:.4f} ± {r['typicality_half']:.4f} | "
-          f"{r['fd_recognizer']:.2f} | {r['style_drift_from_base']:.2f} | {r['style_drift_to_data']:.2f} | "
+          f"{r['typicality_outside']:.2f} | {r['fd_recognizer']:.2f} | {r['style_drift_from_base']:.2f} | {r['style_drift_to_data']:.2f} | "
           f"{r['colour_spread']:.2f} |")
 
 

@@ -249,7 +249,9 @@ class Runner:
         np.save(cache, fd.reference)
         self._judges['fd_recognizer'] = fd
         try:
-          self._judges['typicality'] = ocr_judges.TypicalityJudge(config)
+          typicality = ocr_judges.TypicalityJudge(config)
+          self._judges['typicality'] = typicality
+          self._judges['typicality_outside'] = typicality.outside_fraction
         except FileNotFoundError as e:
           print(f'no typicality judge: {e}', flush=True)
     return self._judges
@@ -569,6 +571,7 @@ def plot(rows, path):
 READERS = (('ocr_heldout', 'Tesseract'), ('ocr_heldout_rapid', 'RapidOCR'))
 # (key, title, format): the judges a frontier is drawn against (lower = closer to the data or the base).
 JUDGES = (('typicality', 'typicality (judge x0 MSE)', '.4f'),
+          ('typicality_outside', 'outside real renders\' typicality range', '.3f'),
           ('fd_recognizer', 'FD, recognizer features', '.2f'),
           ('style_drift_from_reference', 'drift from base', '.2f'),
           ('heldout_diffusion_loss', 'held-out diffusion loss', '.4f'))

@@ -67,6 +67,12 @@ def test_typicality_ranks_real_renders_below_off_manifold_images():
   assert r.shape == (64,) and r.mean() < g.mean() and r.mean() < n.mean()
   assert (r < g).mean() > 0.8 and (r < n).mean() > 0.8
   np.testing.assert_allclose(judge.per_image(real[:8]), r[:8], rtol=1e-5)   # batching: round-off only
+  # The two-sided form: real renders fall outside real renders' central 95% about 5% of the time.
+  low, high = judge.real_range(num=256)
+  assert low < np.median(r) < high
+  assert judge.outside_fraction(real) < 0.15 and judge.outside_fraction(grid) > 0.5
+  flat = np.full_like(real, 200)
+  assert judge.outside_fraction(flat) > 0.9                   # too smooth is off the manifold too
   with pytest.raises(FileNotFoundError, match='pretrain'):
     ocr_judges.TypicalityJudge(ocr_tiny.get_config(), checkpoint='checkpoints/no_such_judge')
 

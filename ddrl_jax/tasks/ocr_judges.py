@@ -4,8 +4,10 @@ data manifold), measured by networks that neither trained the policy nor score t
 - `TypicalityJudge`: the denoising error, on generated images, of an independent diffusion model pretrained
   on the renders with another seed (another initialization and another render stream; shipped as
   `checkpoints/ocr_tiny_judge`). The x0 MSE of its null-text (unconditional) prediction at t = 0.1 ... 0.9
-  with fixed noise, per image: low for images that look like renders, high off the manifold. Unconditional,
-  so it does not score whether the text is the prompt's (that is the reward's job).
+  with fixed noise, per image: high for textures the renders never have (grids, noise), but also low for
+  images smoother than the renders (flat tiles, noise-free samples), so `outside_fraction` (the share of
+  images outside real renders' central 95%) is its two-sided form. Unconditional, so it does not score
+  whether the text is the prompt's (that is the reward's job).
 - `RecognizerFeatures` + `ocr_metrics.frechet_distance`: a Frechet distance to real renders in the features of
   RapidOCR's PP-OCRv4 recognizer (the ONNX model inside the rapidocr-onnxruntime wheel): the (T, C) sequence
   that feeds its CTC classifier, mean-pooled over T. It sees glyph shapes, blur and texture, which the
@@ -80,6 +82,22 @@ class TypicalityJudge:
 
   def __call__(self, images_u8):
     return float(self.per_image(images_u8).mean())
+
+  def real_range(self, num=1024):
+    """(low, high): the central 95% of the per-image error on `num` real renders (held-out strings,
+    seed 101), cached. The error alone is one-sided: smooth images (flat collapse, or a base model's
+    noise-free samples) score below real renders, which carry pixel noise and texture."""
+    if getattr(self, '_range', None) is None:
+      values = self.per_image(reference_renders(num))
+      self._range = tuple(float(q) for q in np.quantile(values, (0.025, 0.975)))
+    return self._range
+
+  def outside_fraction(self, images_u8):
+    """The share of images whose error lies outside `real_range()` (about 0.05 for real renders): a
+    two-sided test of looking like the data, blind to which side."""
+    low, high = self.real_range()
+    values = self.per_image(images_u8)
+    return float(((values < low) | (values > high)).mean())
 
 
 @functools.lru_cache(maxsize=1)
