@@ -31,8 +31,14 @@ def adapted(diffusers_sd):
   """Our model from the diffusers weights, with random (nonzero) r4 adapters: (model, trainable)."""
   config = _config()
   model = cosmos_convert.merge_params(config, cosmos_convert.convert_diffusers_state_dict(diffusers_sd, config))
-  lora.attach(model, SPEC, jax.random.key(0))
-  trainable, _ = lora.split(nnx.state(model), SPEC)
+  return attach_random_adapters(model, SPEC)
+
+
+def attach_random_adapters(model, spec):
+  """Attaches `spec`'s adapters to `model` with random nonzero A and B (0.2 N(0, 1)) so that they change
+  its output; returns (model, the trainable adapter state)."""
+  lora.attach(model, spec, jax.random.key(0))
+  trainable, _ = lora.split(nnx.state(model), spec)
   leaves, treedef = jax.tree.flatten(trainable)
   keys = jax.random.split(jax.random.key(1), len(leaves))
   trainable = jax.tree.unflatten(treedef, [0.2 * jax.random.normal(k, l.shape) for k, l in zip(keys, leaves)])

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from test_wan_dit import CFG, _inputs  # tests/test_wan_dit.py
 from test_wan_dit import diffusers_sd, torch_model  # noqa: F401  pylint: disable=unused-import
+from test_lora_export import attach_random_adapters  # tests/test_lora_export.py
 
 from configs import wan_common
 from ddrl_jax.models import lora
@@ -32,14 +33,7 @@ SHAPE = (16, 2, 6, 10)
 @pytest.fixture(scope='module')
 def adapted(diffusers_sd):
   """WanDiT from the diffusers weights with random (nonzero) r4 adapters: (model, trainable)."""
-  model = wc.merge_params(CFG, wc.from_diffusers_state_dict(diffusers_sd, CFG))
-  lora.attach(model, SPEC, jax.random.key(0))
-  trainable, _ = lora.split(nnx.state(model), SPEC)
-  leaves, treedef = jax.tree.flatten(trainable)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  trainable = jax.tree.unflatten(treedef, [0.2 * jax.random.normal(k, l.shape) for k, l in zip(keys, leaves)])
-  nnx.update(model, trainable)
-  return model, trainable
+  return attach_random_adapters(wc.merge_params(CFG, wc.from_diffusers_state_dict(diffusers_sd, CFG)), SPEC)
 
 
 def _forward(model, x, t, ctx):
