@@ -54,6 +54,15 @@ def make_apply_fn(graphdef, cfg_on):
   return apply_fn
 
 
+def dit_exporter(dit):
+  """The Exporter of an MMDiT(dit): adapters under diffusers' SD3Transformer2DModel module names."""
+  return family_lib.Exporter(
+      subtree='',
+      diffusers_names=lambda path: sd3_convert.diffusers_names(path, dit)[0],
+      to_diffusers=lambda flat: sd3_convert.to_diffusers_state_dict(family_lib.nest_paths(flat), dit,
+                                                                    with_pos_embed=False))
+
+
 class SD3Family(family_lib.SectionFamily):
   """The MMDiT of SD3 / SD3.5 on (16, H/8, W/8) latents, from config.sd3."""
 
@@ -86,12 +95,7 @@ class SD3Family(family_lib.SectionFamily):
                                      key='sd3.resolution', value=self.c.resolution)
 
   def exporter(self):
-    dit = self.dit
-    return family_lib.Exporter(
-        subtree='',
-        diffusers_names=lambda path: sd3_convert.diffusers_names(path, dit)[0],
-        to_diffusers=lambda flat: sd3_convert.to_diffusers_state_dict(family_lib.nest_paths(flat), dit,
-                                                                      with_pos_embed=False))
+    return dit_exporter(self.dit)
 
 
 FAMILIES = {'sd3': SD3Family}
