@@ -107,6 +107,9 @@ SLOW_TESTS = SLOW_TESTS | frozenset([
     # and ocr_table's judge plumbing (stubbed judges) stay fast.
     'test_ocr_data_judges.py::test_recognizer_frechet_separates_real_renders_from_corrupted_ones',
     'test_ocr_data_judges.py::test_typicality_ranks_real_renders_below_off_manifold_images',
+    # Merged-weight export of SD3 and Wan (Cosmos' stays fast; their peft adapter loads stay fast).
+    'test_sd3_lora_export.py::test_merged_weights_load_into_diffusers',
+    'test_wan_lora_export.py::test_merged_weights_load_into_diffusers',
 ])
 # benchmarks/step_speed.py --quick, run by its tests, times the trainer, the public path, its reference
 # form and torch: minutes of compiles; the library path it times is tested in test_losses.py.
