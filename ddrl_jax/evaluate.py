@@ -143,7 +143,7 @@ def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, se
   return_stats: also return this model's (M, S) statistics.
   judges: {metric name: fn((M, H, W, 3) uint8 held-out samples) -> float} (e.g. tasks/ocr_judges.py's).
   samples_path: where to write the held-out samples and their texts (np.savez_compressed: images, texts),
-  so judges can score them later (`judge_saved_samples`).
+  so judges can score them later (`load_samples`; benchmarks/ocr_table.py --rejudge).
   """
   tesseract = ocr_reward.OCRReward(**dict(config.reward.kwargs.get('ocr', {})))
   rapid = ocr_reward.RapidOCRReward(**dict(config.reward.kwargs.get('ocr_rapid', {})))
