@@ -302,7 +302,7 @@ class Runner:
   def cell(self, method, seed):
     """Trains one cell from its latest checkpoint to --iterations, evaluating every --eval_every."""
     a = self.args
-    config = apply_overrides(make_config(method.partition('@')[0]), parse_overrides(a.base), '--base')
+    config = self.base_config(method.partition('@')[0])
     apply_overrides(config, parse_overrides(method.partition('@')[2]), method)   # the cell's own last
     config.seed = seed
     config.num_iterations = a.iterations
