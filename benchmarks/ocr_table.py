@@ -84,7 +84,8 @@ DEFAULT_CELLS = ('ddrl:0,1,2;flow_grpo:0,1,2;dance_grpo:0,1,2;diffusion_nft:0,1,
 LABELS = {'base': 'base', 'ddrl': 'DDRL', 'flow_grpo': 'FlowGRPO', 'dance_grpo': 'DanceGRPO',
           'diffusion_nft': 'DiffusionNFT', 'ddrl_reduced': 'DDRL reduced (first step)',
           'ddrl_reduced_random': 'DDRL reduced (random step)', 'ddrl_synthetic': 'DDRL, synthetic data',
-          'flow_grpo_exact_kl': 'FlowGRPO, exact KL (stronger)'}
+          'flow_grpo_exact_kl': 'FlowGRPO, exact KL (stronger)',
+          'ddrl_dark_synthetic': "DDRL, the shifted base's synthetic data"}
 # (metric key, column title, format): the table's columns, those present in the rows.
 COLUMNS = (
     ('ocr_heldout', 'OCR Tesseract (training reader)', '.3f'),
@@ -115,18 +116,37 @@ ARMS = {
     'flow_grpo_ddrl_recipe': ('flow_grpo_exact_kl', {'rl.adv_normalization': 'cosmos',
                                                      'rl.drop_zero_advantages': False,
                                                      'rl.train_steps': (0, 2, 4, 6, 8)}),
+    # DDRL regularized by the shifted base's own samples (Table 4's setting on the shifted base).
+    'ddrl_dark_synthetic': ('ddrl', {'data.path': os.path.join(REPO, 'checkpoints', 'ocr_tiny_dark_synthetic')}),
 }
 # The Pareto sweeps (issue 28, item 2): DDRL's data_beta and exact-KL FlowGRPO's kl_beta, 3 seeds each,
 # and the controls (the data-term-only control runs 50 iterations: --iterations applies to all cells, so
 # it gets its own command, see RESULTS.md).
 DATA_BETAS = (0.003, 0.01, 0.03, 0.1, 0.3)
 KL_BETAS = (0.004, 0.01, 0.04, 0.1, 0.3)
+# The shifted base of issue 28, item 3 (pretrained on dark text only; configs/ocr_tiny.py pretrain_style),
+# and its supervised fine-tuning on the full renders (the first stage of the two-stage pipeline).
+DARK_BASE = 'checkpoints/ocr_tiny_base_dark'
+DARK_SFT = 'checkpoints/ocr_tiny_dark_sft'
+SHIFTED_BASE = f'ocr.base_checkpoint={DARK_BASE}'
+SHIFTED_LORA_RANK = 16          # rank 16 followed full fine-tuning closely at 80 iterations (RESULTS.md)
 PLANS = {
     'pareto': ';'.join([f'ddrl@rl.data_beta={b}:0,1,2' for b in DATA_BETAS] +
                        [f'flow_grpo_exact_kl@rl.kl_beta={b}:0,1,2' for b in KL_BETAS]),
     'controls': 'flow_grpo_ddrl_recipe:0,1,2',
     'data_only': 'ddrl_data_only:0,1,2',
 }
+
+
+def shifted_plan(data_beta, kl_beta, seeds='0,1,2'):
+  """The --cells of the shifted-base arms (run with --base=SHIFTED_BASE) at the knees `data_beta` (DDRL)
+  and `kl_beta` (exact-KL FlowGRPO): DDRL with the full renders; FlowGRPO anchored to the shifted base;
+  FlowGRPO after SFT (its base and KL reference are the SFT model, a cell override that --base does not
+  undo); DDRL with the shifted base's synthetic samples, in full and with LoRA."""
+  d, k = f'rl.data_beta={data_beta:g}', f'rl.kl_beta={kl_beta:g}'
+  arms = [f'ddrl@{d}', f'flow_grpo_exact_kl@{k}', f'flow_grpo_exact_kl@{k}@ocr.base_checkpoint={DARK_SFT}',
+          f'ddrl_dark_synthetic@{d}', f'ddrl_dark_synthetic+lora{SHIFTED_LORA_RANK}@{d}']
+  return ';'.join(f'{arm}:{seeds}' for arm in arms)
 
 
 def parse_overrides(text):
@@ -299,15 +319,20 @@ class Runner:
     trainer.close_rewards()
     self.reference = np.load(stats_path)
 
+  def cell_config(self, method, seed):
+    """The config a cell trains: its preset or arm, then --base, then the cell's own overrides."""
+    config = self.base_config(method.partition('@')[0])
+    apply_overrides(config, parse_overrides(method.partition('@')[2]), method)
+    config.seed = seed
+    config.num_iterations = self.args.iterations
+    config.checkpoint_every = self.args.eval_every
+    config.eval_every = -1
+    return config
+
   def cell(self, method, seed):
     """Trains one cell from its latest checkpoint to --iterations, evaluating every --eval_every."""
     a = self.args
-    config = self.base_config(method.partition('@')[0])
-    apply_overrides(config, parse_overrides(method.partition('@')[2]), method)   # the cell's own last
-    config.seed = seed
-    config.num_iterations = a.iterations
-    config.checkpoint_every = a.eval_every
-    config.eval_every = -1
+    config = self.cell_config(method, seed)
     trainer = trainer_lib.Trainer(config, os.path.join(a.workdir, cell_dirname(method), f'seed{seed}'))
     start = trainer.restore_or_init()
     if start >= a.iterations and self.recorded(method, seed, start):
@@ -797,10 +822,18 @@ def parse_args(argv=None):
   p.add_argument('--rejudge', action='store_true',
                  help='add missing judges to recorded rows from their saved samples, then report')
   p.add_argument('--no_judges', action='store_true', help='evaluate without the judges (tests)')
-  p.add_argument('--print_plan', choices=sorted(PLANS), help='print a --cells plan and exit')
+  p.add_argument('--print_plan', choices=sorted(PLANS) + ['shifted'], help='print a --cells plan and exit')
+  p.add_argument('--knees', default='', help="the shifted plan's 'data_beta,kl_beta' (see shifted_plan)")
   args = p.parse_args(argv)
   if args.eval_every < 1 or args.iterations < 1:
     p.error('--iterations and --eval_every must be >= 1')
+  if args.print_plan == 'shifted':
+    try:
+      args.knees = tuple(float(v) for v in args.knees.split(','))
+    except ValueError:
+      args.knees = ()
+    if len(args.knees) != 2 or min(args.knees) <= 0:
+      p.error("--print_plan=shifted needs --knees=<data_beta>,<kl_beta> (two positive numbers)")
   return args
 
 
@@ -808,7 +841,7 @@ def main(argv=None):
   xla_flags.apply()                    # the CLIs' XLA:CPU defaults (ddrl_jax/xla_flags.py)
   args = parse_args(argv)
   if args.print_plan:
-    print(PLANS[args.print_plan])
+    print(shifted_plan(*args.knees) if args.print_plan == 'shifted' else PLANS[args.print_plan])
     return
   cells = parse_cells(args.cells)
   parse_overrides(args.base)

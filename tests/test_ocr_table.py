@@ -350,3 +350,26 @@ def test_sweeps_frontiers_and_the_matched_comparison(tmp_path):
 def test_print_plan(capsys):
   ocr_table.main(['--print_plan=controls'])
   assert capsys.readouterr().out.strip() == 'flow_grpo_ddrl_recipe:0,1,2'
+
+
+def test_shifted_plan_cells_keep_their_own_base_under_the_shifted_one(tmp_path, capsys):
+  ocr_table.main(['--print_plan=shifted', '--knees=0.03,0.04'])
+  plan = capsys.readouterr().out.strip()
+  assert plan == ocr_table.shifted_plan(0.03, 0.04)
+  cells = ocr_table.parse_cells(plan)
+  assert len(cells) == 15 and {s for _, s in cells} == {0, 1, 2}
+  args = ocr_table.parse_args([f'--workdir={tmp_path}', f'--base={ocr_table.SHIFTED_BASE}'])
+  runner = ocr_table.Runner(args, {})
+  configs = {m: runner.cell_config(m, 1) for m, s in cells if s == 1}
+  assert all(c.seed == 1 and c.num_iterations == 200 for c in configs.values())
+  bases = [c.ocr.base_checkpoint for c in configs.values()]
+  assert bases.count(ocr_table.DARK_BASE) == 4 and bases.count(ocr_table.DARK_SFT) == 1
+  ddrl, flow, sft, synthetic, lora = configs.values()
+  assert ddrl.data.path == '' and ddrl.rl.data_beta == 0.03
+  assert flow.rl.kl_beta == sft.rl.kl_beta == 0.04 and flow.rl.kl_form == sft.rl.kl_form == 'exact'
+  assert synthetic.data.path.endswith('checkpoints/ocr_tiny_dark_synthetic') and synthetic.rl.data_beta == 0.03
+  assert lora.lora.rank == ocr_table.SHIFTED_LORA_RANK and lora.data.path == synthetic.data.path
+  for bad in ([], ['--knees=0.03'], ['--knees=0.03,x'], ['--knees=0,0.04']):
+    with pytest.raises(SystemExit):
+      ocr_table.parse_args(['--print_plan=shifted'] + bad)
+
