@@ -714,6 +714,41 @@ def matched_table(rows, levels=(0.45, 0.55), iteration=None):
   return '\n'.join(lines)
 
 
+def knee(rows, methods, reward='ocr_heldout', share=0.5, iteration=None):
+  """The knee of a sweep whose `methods` run from weak to strong regularization: the strongest setting
+  whose mean `reward` gain over the base keeps at least `share` of the sweep's largest mean gain. Judge-free
+  on purpose (the shifted-base arms are then compared by the judges without having been picked by them).
+  Returns (index into methods, {method: mean gain}), or None before every setting has a row."""
+  cells = by_cell(rows)
+  base = cells.get('base', {}).get(0, {}).get(0)
+  if base is None:
+    return None
+  gains = {}
+  for method in methods:
+    _, at = _last_rows(cells, method, iteration)
+    if not at:
+      return None
+    gains[method] = float(np.mean([r[reward] for r in at])) - base[reward]
+  best = max(gains.values())
+  if best <= 0:
+    return None
+  return max(i for i, m in enumerate(methods) if gains[m] >= share * best), gains
+
+
+def knee_text(rows, iteration=None):
+  """Markdown lines: each sweep's mean OCR gain per setting and its knee (`knee`)."""
+  lines = []
+  for sweep, members in sweeps(list(by_cell(rows))).items():
+    found = knee(rows, [m for _, m in members], iteration=iteration)
+    if found is None:
+      lines.append(f'- {sweep}: no knee yet (a setting has no row, or no setting gained)')
+      continue
+    i, gains = found
+    text = ', '.join(f'{v:g}: {gains[m]:+.3f}' for v, m in members)
+    lines.append(f'- {sweep}: knee {members[i][0]:g} (mean Tesseract gain over the base by setting: {text})')
+  return '\n'.join(lines)
+
+
 def plot_frontiers(rows, path, iteration=None):
   """One panel per (reader, judge): each sweep's settings at their last common iteration, seed means with
   95% t error bars on both axes, joined in sweep order and labelled with the swept value."""
@@ -799,6 +834,8 @@ def report(rows, out, name='ocr_methods'):
     print(frontier_table(rows))
     print()
     print(matched_table(rows))
+    print()
+    print(knee_text(rows))
   note = machines_note(rows)
   if note:
     print()

@@ -341,6 +341,12 @@ def test_sweeps_frontiers_and_the_matched_comparison(tmp_path):
   other = ocr_table.matched_judge(rows, [m for _, m in fams['flow_grpo_exact_kl@rl.kl_beta']], 0.55, 'typicality')
   assert f'{value - other[0]:+.4f} [' in line and -0.025 < value - other[0] < -0.015   # ~0.08 - 0.10
   assert 'not reached' in ocr_table.matched_table(rows, levels=(0.95,))
+  # Gains over the base 0.24: 0.36, 0.26, 0.16 (seed means) -> half of 0.36 keeps the first two.
+  index, gains = ocr_table.knee(rows, methods)
+  assert index == 1 and gains[methods[2]] == pytest.approx(0.16)
+  assert ocr_table.knee(rows, methods, share=0.8)[0] == 0 and ocr_table.knee(rows, methods, share=0.4)[0] == 2
+  assert ocr_table.knee(rows, methods + ['ddrl@rl.data_beta=9.0']) is None      # a setting without rows
+  assert '- ddrl@rl.data_beta: knee 0.1 (' in ocr_table.knee_text(rows)
   table = ocr_table.frontier_table(rows)
   assert len([l for l in table.splitlines() if l.startswith('| ddrl@')]) == 3
   ocr_table.plot_frontiers(rows, str(tmp_path / 'f.png'))
