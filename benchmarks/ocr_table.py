@@ -718,17 +718,20 @@ def knee(rows, methods, reward='ocr_heldout', share=0.5, iteration=None):
   """The knee of a sweep whose `methods` run from weak to strong regularization: the strongest setting
   whose mean `reward` gain over the base keeps at least `share` of the sweep's largest mean gain. Judge-free
   on purpose (the shifted-base arms are then compared by the judges without having been picked by them).
-  Returns (index into methods, {method: mean gain}), or None before every setting has a row."""
+  Returns (index into methods, {method: mean gain}), or None before every setting has rows at one iteration."""
   cells = by_cell(rows)
   base = cells.get('base', {}).get(0, {}).get(0)
   if base is None:
     return None
-  gains = {}
+  gains, reached = {}, set()
   for method in methods:
-    _, at = _last_rows(cells, method, iteration)
+    it, at = _last_rows(cells, method, iteration)
     if not at:
       return None
+    reached.add(it)
     gains[method] = float(np.mean([r[reward] for r in at])) - base[reward]
+  if len(reached) > 1:          # a setting still running: gains at different iterations do not compare
+    return None
   best = max(gains.values())
   if best <= 0:
     return None
@@ -741,7 +744,7 @@ def knee_text(rows, iteration=None):
   for sweep, members in sweeps(list(by_cell(rows))).items():
     found = knee(rows, [m for _, m in members], iteration=iteration)
     if found is None:
-      lines.append(f'- {sweep}: no knee yet (a setting has no row, or no setting gained)')
+      lines.append(f'- {sweep}: no knee yet (a setting has no row or stops at another iteration, or none gained)')
       continue
     i, gains = found
     text = ', '.join(f'{v:g}: {gains[m]:+.3f}' for v, m in members)

@@ -347,6 +347,9 @@ def test_sweeps_frontiers_and_the_matched_comparison(tmp_path):
   assert ocr_table.knee(rows, methods, share=0.8)[0] == 0 and ocr_table.knee(rows, methods, share=0.4)[0] == 2
   assert ocr_table.knee(rows, methods + ['ddrl@rl.data_beta=9.0']) is None      # a setting without rows
   assert '- ddrl@rl.data_beta: knee 0.1 (' in ocr_table.knee_text(rows)
+  running = [r for r in rows if not (r['method'] == methods[0] and r['iteration'] == 200)]
+  running += [dict(r, iteration=100) for r in rows if r['method'] == methods[0]]
+  assert ocr_table.knee(running, methods) is None                  # gains at iterations 100 and 200
   table = ocr_table.frontier_table(rows)
   assert len([l for l in table.splitlines() if l.startswith('| ddrl@')]) == 3
   ocr_table.plot_frontiers(rows, str(tmp_path / 'f.png'))
