@@ -227,6 +227,15 @@ def read_rows(path):
     return [json.loads(line) for line in f if line.strip()]
 
 
+def write_rows(path, rows):
+  """Rewrites a rows file atomically (a crash leaves the old file or the new one)."""
+  tmp = path + '.tmp'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    for r in rows:
+      f.write(json.dumps(r) + '\n')
+  os.replace(tmp, path)
+
+
 def append_row(path, row):
   with open(path, 'a', encoding='utf-8') as f:
     f.write(json.dumps(row) + '\n')
@@ -249,6 +258,13 @@ class Runner:
     self.args, self.meta = args, meta
     os.makedirs(args.workdir, exist_ok=True)
     self.rows_path = os.path.join(args.workdir, 'evaluations.jsonl')
+    committed = os.path.join(args.out, f'{args.name}.jsonl')
+    if not os.path.exists(self.rows_path) and os.path.exists(committed):
+      # A new machine: the checkpoints are gone but the report's rows were committed. Finished cells
+      # are not trained again; unfinished ones restart (their later rows are dropped in `cell`).
+      write_rows(self.rows_path, read_rows(committed))
+      print(f'{self.rows_path}: started from the {len(read_rows(committed))} rows of {committed}',
+            flush=True)
     self.rows = read_rows(self.rows_path)
     self.deadline = time.monotonic() + 60 * args.budget_minutes if args.budget_minutes > 0 else None
     self.reference = None
@@ -332,12 +348,19 @@ class Runner:
   def cell(self, method, seed):
     """Trains one cell from its latest checkpoint to --iterations, evaluating every --eval_every."""
     a = self.args
+    if self.recorded(method, seed, a.iterations):   # finished, with or without its checkpoints
+      return True
     config = self.cell_config(method, seed)
     trainer = trainer_lib.Trainer(config, os.path.join(a.workdir, cell_dirname(method), f'seed{seed}'))
     start = trainer.restore_or_init()
-    if start >= a.iterations and self.recorded(method, seed, start):
-      trainer.close_rewards()
-      return True
+    stale = [r for r in self.rows if r['method'] == method and r['seed'] == seed and r['iteration'] > start]
+    if stale:    # evaluations past the checkpoint it resumes from (lost checkpoints): made again
+      print(f'{method} seed {seed}: resumes at {start}; dropping its rows at '
+            f"{sorted(r['iteration'] for r in stale)}", flush=True)
+      # re-read first: another process may share the workdir (one cell list per core)
+      self.rows = [r for r in read_rows(self.rows_path)
+                   if not (r['method'] == method and r['seed'] == seed and r['iteration'] > start)]
+      write_rows(self.rows_path, self.rows)
     trainer._build()  # pylint: disable=protected-access
     previous = [r for r in self.rows if r['method'] == method and r['seed'] == seed
                 and r['iteration'] <= start]
@@ -813,11 +836,7 @@ def rejudge(runner):
       row.update({n: float(judges[n](images)) for n in missing})
       changed += 1
   if changed:
-    tmp = runner.rows_path + '.tmp'
-    with open(tmp, 'w', encoding='utf-8') as f:
-      for r in runner.rows:
-        f.write(json.dumps(r) + '\n')
-    os.replace(tmp, runner.rows_path)
+    write_rows(runner.rows_path, runner.rows)
   return changed
 
 

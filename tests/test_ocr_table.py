@@ -179,6 +179,29 @@ def test_cells_run_seed_major_and_resume_where_they_stopped(tmp_path, fake_cells
       'ocr_methods.png', 'ocr_methods_base.png', 'ocr_methods_dance_grpo.png', 'ocr_methods_ddrl.png']
 
 
+def test_a_new_machine_starts_from_the_committed_rows(tmp_path, fake_cells, capsys):
+  """A workdir lost with its machine: the rerun starts from the report's rows in --out, skips the
+  finished cell, and restarts the unfinished one from scratch, dropping its rows past iteration 0."""
+  out = tmp_path / 'out'
+  out.mkdir()
+  argv = ['--cells=ddrl:0,1', '--iterations=2', '--eval_every=1', '--prompts=1', '--per_prompt=2',
+          f'--out={out}', '--no_judges']
+  ocr_table.main(argv + [f'--workdir={tmp_path / "lost"}'])
+  committed = ocr_table.read_rows(str(out / 'ocr_methods.jsonl'))
+  # the machine was lost while seed 1 was between its evaluations at iterations 1 and 2
+  ocr_table.write_rows(str(out / 'ocr_methods.jsonl'),
+                       [r for r in committed if (r['method'], r['seed'], r['iteration']) != ('ddrl', 1, 2)])
+  del fake_cells[:]
+  work = tmp_path / 'new'
+  ocr_table.main(argv + [f'--workdir={work}'])
+  assert 'started from the 6 rows' in capsys.readouterr().out
+  assert fake_cells == [('eval', 'base', 0), ('build', 'ddrl/seed1'), ('train', 'ddrl/seed1', 0),
+                        ('eval', 'ddrl/seed1', 1), ('train', 'ddrl/seed1', 1), ('eval', 'ddrl/seed1', 2)]
+  keys = _keys(work)
+  assert sorted(set(keys)) == sorted({(r['method'], r['seed'], r['iteration']) for r in committed})
+  assert keys.count(('ddrl', 1, 1)) == 1      # the stale row was dropped, not duplicated
+
+
 @pytest.mark.slow
 def test_a_budgeted_run_resumes_without_repeating_work(tmp_path):
   """Two 1-iteration intervals of one real cell (training and evaluation; the stubbed test above
