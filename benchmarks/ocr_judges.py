@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from configs import ocr_tiny
+import ocr_table  # pylint: disable=g-bad-import-order  # benchmarks/ocr_table.py, beside this file
 from ddrl_jax import evaluate as evaluate_lib
 from ddrl_jax import xla_flags
 from ddrl_jax.tasks import ocr_judges
@@ -56,19 +57,13 @@ def base_samples(config, noise_seed, prompts=64, per_prompt=4):
 
 
 def judge_row(name, images, typicality, fd, base_stats, data_stats):
-  t_mean, t_half = _t(typicality.per_image(images))
+  t_mean, t_half = ocr_table.t_interval(typicality.per_image(images))
   stats = ocr_metrics.batch_stats(images)
   return dict(set=name, n=len(images), typicality=t_mean, typicality_half=t_half,
               typicality_outside=typicality.outside_fraction(images), fd_recognizer=fd(images),
               style_drift_from_base=ocr_metrics.style_drift(stats, base_stats),
               style_drift_to_data=ocr_metrics.style_drift(stats, data_stats),
               colour_spread=ocr_metrics.colour_spread(stats, data_stats)[2])
-
-
-def _t(values):
-  from scipy import stats
-  values = np.asarray(values, np.float64)
-  return float(values.mean()), float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values)))
 
 
 def main(argv=None):
