@@ -840,7 +840,9 @@ def rejudge(runner):
   return changed
 
 
-def report(rows, out, name='ocr_methods'):
+def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl'):
+  """Writes <out>/<name>.jsonl and the plots; prints the tables. `levels`: the matched-OCR levels of
+  the sweeps' comparison; `reference`: the cell whose final OCR the along-training comparison matches."""
   with open(os.path.join(out, f'{name}.jsonl'), 'w', encoding='utf-8') as f:
     for r in rows:
       f.write(json.dumps(r) + '\n')
@@ -849,13 +851,13 @@ def report(rows, out, name='ocr_methods'):
   print()
   print(contrasts(rows))
   print()
-  print(at_matched_reward(rows))
+  print(at_matched_reward(rows, reference))
   if sweeps(list(by_cell(rows))):
     plot_frontiers(rows, os.path.join(out, f'{name}_frontiers.png'))
     print()
     print(frontier_table(rows))
     print()
-    print(matched_table(rows))
+    print(matched_table(rows, levels))
     print()
     print(knee_text(rows))
   note = machines_note(rows)
@@ -882,10 +884,18 @@ def parse_args(argv=None):
                  help='add missing judges to recorded rows from their saved samples, then report')
   p.add_argument('--no_judges', action='store_true', help='evaluate without the judges (tests)')
   p.add_argument('--print_plan', choices=sorted(PLANS) + ['shifted'], help='print a --cells plan and exit')
+  p.add_argument('--levels', default='0.45,0.55',
+                 help='Tesseract OCR levels of the matched comparison of the sweeps (comma-separated)')
+  p.add_argument('--matched_reference', default='ddrl',
+                 help='the cell whose last OCR every cell is compared at, along training')
   p.add_argument('--knees', default='', help="the shifted plan's 'data_beta,kl_beta' (see shifted_plan)")
   args = p.parse_args(argv)
   if args.eval_every < 1 or args.iterations < 1:
     p.error('--iterations and --eval_every must be >= 1')
+  try:
+    args.levels = tuple(float(v) for v in args.levels.split(','))
+  except ValueError:
+    p.error(f'--levels must be comma-separated numbers, not {args.levels!r}')
   if args.print_plan == 'shifted':
     try:
       args.knees = tuple(float(v) for v in args.knees.split(','))
@@ -912,7 +922,8 @@ def main(argv=None):
   elif not args.report:
     runner.run(cells)
   wanted = set(cells) | {('base', 0)}
-  report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out, args.name)
+  report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out, args.name,
+         args.levels, args.matched_reference)
 
 
 if __name__ == '__main__':

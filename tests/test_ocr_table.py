@@ -405,3 +405,22 @@ def test_shifted_plan_cells_keep_their_own_base_under_the_shifted_one(tmp_path, 
     with pytest.raises(SystemExit):
       ocr_table.parse_args(['--print_plan=shifted'] + bad)
 
+
+
+def test_report_levels_and_matched_reference(tmp_path, capsys):
+  """--levels picks the matched comparison's OCR levels; --matched_reference the along-training match."""
+  rows = _sweep_rows(np.random.default_rng(0))
+  work, out = tmp_path / 'work', tmp_path / 'out'
+  work.mkdir()
+  out.mkdir()
+  ocr_table.write_rows(str(work / 'evaluations.jsonl'), rows)
+  cells = ';'.join(f'{m}:0,1,2' for m in sorted({r['method'] for r in rows if r['method'] != 'base'}))
+  reference = 'ddrl@rl.data_beta=0.1'
+  ocr_table.main(['--report', f'--workdir={work}', f'--out={out}', f'--cells={cells}', '--levels=0.52',
+                  f'--matched_reference={reference}'])
+  text = capsys.readouterr().out
+  matched = [l for l in text.splitlines() if l.startswith('| 0.')]
+  assert matched and all(l.startswith('| 0.52 |') for l in matched)
+  assert f'(reward level: {reference} at iteration 200, Tesseract 0.500)' in text
+  with pytest.raises(SystemExit):
+    ocr_table.parse_args(['--levels=0.4,x'])
