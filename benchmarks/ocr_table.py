@@ -682,15 +682,15 @@ def _interpolate_at(level, ys, xs):
 def matched_judge(rows, methods, level, judge, reward='ocr_heldout', iteration=None, draws=2000, seed=0):
   """A sweep's `judge` value at reward `level`: the seed means of every setting joined in sweep order and
   interpolated linearly at `level`, with a 95% bootstrap interval (seeds resampled within each setting).
-  Returns (value, low, high, bootstrap values) or None where the frontier never reaches `level`."""
+  Returns (value, low, high, bootstrap values) or None where the frontier never reaches `level`
+  (settings without rows at `iteration` are left out)."""
   cells = by_cell(rows)
   per = []
   for method in methods:
     _, at = _last_rows(cells, method, iteration)
     at = [r for r in at if reward in r and judge in r]
-    if not at:
-      return None
-    per.append((np.array([r[reward] for r in at]), np.array([r[judge] for r in at])))
+    if at:       # a setting without rows at `iteration` (still running) is not on the frontier
+      per.append((np.array([r[reward] for r in at]), np.array([r[judge] for r in at])))
   value = _interpolate_at(level, [y.mean() for y, _ in per], [x.mean() for _, x in per])
   if value is None:
     return None
@@ -840,9 +840,11 @@ def rejudge(runner):
   return changed
 
 
-def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl'):
+def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl', iteration=None):
   """Writes <out>/<name>.jsonl and the plots; prints the tables. `levels`: the matched-OCR levels of
-  the sweeps' comparison; `reference`: the cell whose final OCR the along-training comparison matches."""
+  the sweeps' comparison; `reference`: the cell whose final OCR the along-training comparison matches;
+  `iteration`: where the sweeps' frontiers are read (None: each setting's last common iteration). A
+  setting without rows there is left out of the frontiers, so a running cell is not drawn as a point."""
   with open(os.path.join(out, f'{name}.jsonl'), 'w', encoding='utf-8') as f:
     for r in rows:
       f.write(json.dumps(r) + '\n')
@@ -853,13 +855,13 @@ def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl')
   print()
   print(at_matched_reward(rows, reference))
   if sweeps(list(by_cell(rows))):
-    plot_frontiers(rows, os.path.join(out, f'{name}_frontiers.png'))
+    plot_frontiers(rows, os.path.join(out, f'{name}_frontiers.png'), iteration)
     print()
-    print(frontier_table(rows))
+    print(frontier_table(rows, iteration))
     print()
-    print(matched_table(rows, levels))
+    print(matched_table(rows, levels, iteration))
     print()
-    print(knee_text(rows))
+    print(knee_text(rows, iteration))
   note = machines_note(rows)
   if note:
     print()
@@ -923,7 +925,7 @@ def main(argv=None):
     runner.run(cells)
   wanted = set(cells) | {('base', 0)}
   report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out, args.name,
-         args.levels, args.matched_reference)
+         args.levels, args.matched_reference, args.iterations)
 
 
 if __name__ == '__main__':

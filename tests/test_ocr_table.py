@@ -410,6 +410,7 @@ def test_shifted_plan_cells_keep_their_own_base_under_the_shifted_one(tmp_path, 
 def test_report_levels_and_matched_reference(tmp_path, capsys):
   """--levels picks the matched comparison's OCR levels; --matched_reference the along-training match."""
   rows = _sweep_rows(np.random.default_rng(0))
+  rows.append(_row('ddrl@rl.data_beta=3.0', 0, 100, 0.3, typicality=0.05))   # still running
   work, out = tmp_path / 'work', tmp_path / 'out'
   work.mkdir()
   out.mkdir()
@@ -422,5 +423,9 @@ def test_report_levels_and_matched_reference(tmp_path, capsys):
   matched = [l for l in text.splitlines() if l.startswith('| 0.')]
   assert matched and all(l.startswith('| 0.52 |') for l in matched)
   assert f'(reward level: {reference} at iteration 200, Tesseract 0.500)' in text
+  frontier = [l for l in text.splitlines() if l.startswith('| ddrl@rl.data_beta |')]
+  assert [l.split(' | ')[1] for l in frontier] == ['0.01', '0.1', '1']    # the running setting is not drawn
+  assert '- ddrl@rl.data_beta: no knee yet' in text
+  assert '| ddrl@rl.data_beta | 3 | 100 |' in ocr_table.frontier_table(rows)   # without the iteration
   with pytest.raises(SystemExit):
     ocr_table.parse_args(['--levels=0.4,x'])
