@@ -262,9 +262,9 @@ class Runner:
     if not os.path.exists(self.rows_path) and os.path.exists(committed):
       # A new machine: the checkpoints are gone but the report's rows were committed. Finished cells
       # are not trained again; unfinished ones restart (their later rows are dropped in `cell`).
-      write_rows(self.rows_path, read_rows(committed))
-      print(f'{self.rows_path}: started from the {len(read_rows(committed))} rows of {committed}',
-            flush=True)
+      rows = read_rows(committed)
+      write_rows(self.rows_path, rows)
+      print(f'{self.rows_path}: started from the {len(rows)} rows of {committed}', flush=True)
     self.rows = read_rows(self.rows_path)
     self.deadline = time.monotonic() + 60 * args.budget_minutes if args.budget_minutes > 0 else None
     self.reference = None
@@ -353,13 +353,13 @@ class Runner:
     config = self.cell_config(method, seed)
     trainer = trainer_lib.Trainer(config, os.path.join(a.workdir, cell_dirname(method), f'seed{seed}'))
     start = trainer.restore_or_init()
-    stale = [r for r in self.rows if r['method'] == method and r['seed'] == seed and r['iteration'] > start]
-    if stale:    # evaluations past the checkpoint it resumes from (lost checkpoints): made again
-      print(f'{method} seed {seed}: resumes at {start}; dropping its rows at '
-            f"{sorted(r['iteration'] for r in stale)}", flush=True)
+    is_stale = lambda r: r['method'] == method and r['seed'] == seed and r['iteration'] > start
+    if any(map(is_stale, self.rows)):   # evaluations past the checkpoint it resumes from: made again
       # re-read first: another process may share the workdir (one cell list per core)
-      self.rows = [r for r in read_rows(self.rows_path)
-                   if not (r['method'] == method and r['seed'] == seed and r['iteration'] > start)]
+      rows = read_rows(self.rows_path)
+      print(f'{method} seed {seed}: resumes at {start}; dropping its rows at '
+            f'{sorted(r["iteration"] for r in rows if is_stale(r))}', flush=True)
+      self.rows = [r for r in rows if not is_stale(r)]
       write_rows(self.rows_path, self.rows)
     trainer._build()  # pylint: disable=protected-access
     previous = [r for r in self.rows if r['method'] == method and r['seed'] == seed
@@ -845,9 +845,7 @@ def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl',
   the sweeps' comparison; `reference`: the cell whose final OCR the along-training comparison matches;
   `iteration`: where the sweeps' frontiers are read (None: each setting's last common iteration). A
   setting without rows there is left out of the frontiers, so a running cell is not drawn as a point."""
-  with open(os.path.join(out, f'{name}.jsonl'), 'w', encoding='utf-8') as f:
-    for r in rows:
-      f.write(json.dumps(r) + '\n')
+  write_rows(os.path.join(out, f'{name}.jsonl'), rows)
   plot(rows, os.path.join(out, f'{name}.png'))
   print(table(rows))
   print()

@@ -406,7 +406,6 @@ def test_shifted_plan_cells_keep_their_own_base_under_the_shifted_one(tmp_path, 
       ocr_table.parse_args(['--print_plan=shifted'] + bad)
 
 
-
 def test_report_levels_and_matched_reference(tmp_path, capsys):
   """--levels picks the matched comparison's OCR levels; --matched_reference the along-training match."""
   rows = _sweep_rows(np.random.default_rng(0))
