@@ -280,12 +280,17 @@ class Runner:
     if self._judges is None:
       self._judges = {}
       if not self.args.no_judges:
+        num = self.args.judge_renders
         cache = os.path.join(self.args.workdir, 'recognizer_reference.npy')
-        fd = ocr_judges.FrechetJudge(reference_features=np.load(cache) if os.path.exists(cache) else None)
+        cached = np.load(cache) if os.path.exists(cache) else None
+        if cached is None or len(cached) != num:
+          cached = None
+        fd = ocr_judges.FrechetJudge(reference=ocr_judges.reference_renders(num) if cached is None else None,
+                                     reference_features=cached)
         np.save(cache, fd.reference)
         self._judges['fd_recognizer'] = fd
         try:
-          typicality = ocr_judges.TypicalityJudge(config)
+          typicality = ocr_judges.TypicalityJudge(config, range_renders=num)
           self._judges['typicality'] = typicality
           self._judges['typicality_outside'] = typicality.outside_fraction
         except FileNotFoundError as e:
@@ -883,6 +888,8 @@ def parse_args(argv=None):
   p.add_argument('--rejudge', action='store_true',
                  help='add missing judges to recorded rows from their saved samples, then report')
   p.add_argument('--no_judges', action='store_true', help='evaluate without the judges (tests)')
+  p.add_argument('--judge_renders', type=int, default=1024,
+                 help="real renders behind the judges' references (FD statistics, typicality range)")
   p.add_argument('--print_plan', choices=sorted(PLANS) + ['shifted'], help='print a --cells plan and exit')
   p.add_argument('--levels', default='0.45,0.55',
                  help='Tesseract OCR levels of the matched comparison of the sweeps (comma-separated)')
@@ -892,6 +899,8 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   if args.eval_every < 1 or args.iterations < 1:
     p.error('--iterations and --eval_every must be >= 1')
+  if args.judge_renders < 2:
+    p.error('--judge_renders must be >= 2 (a Frechet distance needs a covariance)')
   try:
     args.levels = tuple(float(v) for v in args.levels.split(','))
   except ValueError:

@@ -11,7 +11,8 @@ and the scenario:
   'train':  run Trainer.train, capturing the global rollout conditions, data batch and reward matrix
             of the first iteration, the parameters before the first update and the final ones
             (process 0 writes them as .npz), and
-            write which files each process created.
+            write which files each process created ('skip_evaluation': without the evaluation
+            the trainer runs at the end).
 """
 import json
 import os
@@ -125,6 +126,8 @@ def run(spec):
     trainer._update = capture_update
 
   trainer._build = capture_build
+  if spec.get('skip_evaluation'):   # the end-of-run evaluation compiles its own sampler and decode
+    trainer._evaluate_and_write = lambda writer, step: None
   start = int(trainer.ckpt.latest_step() or 0)
   if trainer.loader is not None:
     report['loader_shard'] = list(trainer.loader.shard)

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import portpicker
@@ -41,12 +42,14 @@ def start(num_processes, spec, devices_per_process=None):
   return procs
 
 
-def wait(procs, spec):
-  """Waits for every process (killing all on a timeout); returns their reports, or fails with logs."""
+def wait(procs, spec, timeout_s=TIMEOUT_S):
+  """Waits up to `timeout_s` in all for every process (killing all on a timeout); returns their
+  reports, or fails with logs."""
   failed = []
+  deadline = time.monotonic() + timeout_s
   for i, (p, log) in enumerate(procs):
     try:
-      rc = p.wait(timeout=TIMEOUT_S)
+      rc = p.wait(timeout=max(deadline - time.monotonic(), 1))
     except subprocess.TimeoutExpired:
       for q, _ in procs:
         q.kill()
@@ -63,8 +66,8 @@ def wait(procs, spec):
   return reports
 
 
-def run(num_processes, spec, devices_per_process=None):
-  return wait(start(num_processes, spec, devices_per_process), spec)
+def run(num_processes, spec, devices_per_process=None, timeout_s=TIMEOUT_S):
+  return wait(start(num_processes, spec, devices_per_process), spec, timeout_s)
 
 
 def load(out, name):

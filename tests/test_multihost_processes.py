@@ -6,6 +6,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 from test_multihost import TIMEOUT_S  # tests/test_multihost.py
 from test_multihost import assert_trees_close
@@ -50,6 +51,10 @@ def test_a_failing_process_ends_the_job_instead_of_hanging_it(tmp_path):
     assert 'injected failure on process 1' in f.read()
 
 
+# Two processes compiling the same program and spinning in Gloo collectives on CI's 2 shared cores
+# beside another test worker: the test did not finish in 600 s there (CI, 2026-12-04; here the
+# 2-process job took 229 s on 2 free cores and over 400 s on one), so the job gets 900 s, the test 1200.
+@pytest.mark.timeout(1200)
 def test_cosmos_smoke_iteration_equals_one_process(tmp_path):
   """One cosmos2b:smoke DDRL iteration (tiny DiT, Ulysses context parallelism, the VAE decode and the
   temporal-smoothness reward) in 2 processes with context across them, against 1 process: the same
@@ -57,13 +62,16 @@ def test_cosmos_smoke_iteration_equals_one_process(tmp_path):
   # The full learning rate at once (no warmup) and Adam's eps near the gradients' size: the update
   # lr * g / (|g| + eps) (up to 1e-2) follows each gradient's magnitude, not only its sign.
   overrides = {'optim.warmup_steps': 0, 'optim.learning_rate': 1e-2, 'optim.eps': 1e-2}
-  one = spec(tmp_path, 'c1', task='cosmos_smoke', overrides=overrides)
-  two = spec(tmp_path, 'c2', task='cosmos_smoke', context_across_processes=True, overrides=overrides)
+  # Without the end-of-run evaluation (its sampler and VAE decode are compiled apart from the
+  # iteration's): the test compares the iteration.
+  one = spec(tmp_path, 'c1', task='cosmos_smoke', overrides=overrides, skip_evaluation=True)
+  two = spec(tmp_path, 'c2', task='cosmos_smoke', context_across_processes=True, overrides=overrides,
+             skip_evaluation=True)
   # Minutes of compile and VAE work on 2 shared cores beside another test worker: a 30 s heartbeat
   # declared both processes dead once in the slow tier (2026-12-03), so this job allows 120 s.
   two['heartbeat_timeout'] = 120
   run(1, one)
-  reports = run(2, two)
+  reports = run(2, two, timeout_s=900)
   assert [r['lead'] for r in reports] == [True, False]
   batch_1, batch_2 = load(one['out'], 'batch.npz'), load(two['out'], 'batch.npz')
   for k in batch_1:

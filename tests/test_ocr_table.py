@@ -209,8 +209,9 @@ def test_a_budgeted_run_resumes_without_repeating_work(tmp_path):
   cut by its budget after one interval, the second trains only the remaining one."""
   work, out = tmp_path / 'work', tmp_path / 'out'
   out.mkdir()
+  # Real judges on 32 real renders (the experiments' 1024 cost minutes per process on one core).
   argv = ['--cells=ddrl:0', '--iterations=2', '--eval_every=1', '--prompts=2', '--per_prompt=2',
-          f'--workdir={work}', f'--out={out}']
+          f'--workdir={work}', f'--out={out}', '--judge_renders=32']
   args = ocr_table.parse_args(argv + ['--budget_minutes=0.0001'])
   runner = ocr_table.Runner(args, {})
   assert runner.run(ocr_table.parse_cells(args.cells)) is False
@@ -223,6 +224,8 @@ def test_a_budgeted_run_resumes_without_repeating_work(tmp_path):
   assert rows[-1]['train_seconds'] > rows[-2]['train_seconds'] > 0
   assert all(np.isfinite(r['ocr_heldout']) for r in rows)
   assert 'style_drift_from_reference' in rows[-1]
+  assert all(np.isfinite(r[k]) for r in rows for k in ('fd_recognizer', 'typicality', 'typicality_outside'))
+  assert np.load(work / 'recognizer_reference.npy').shape[0] == 32
   curves = [r for r in metrics_lib.read_metrics(work / 'ddrl' / 'seed0') if 'loss' in r]
   assert [r['step'] for r in curves] == [1, 2] and all(np.isfinite(r['reward_mean']) for r in curves)
   with open(out / 'ocr_methods.jsonl', encoding='utf-8') as f:

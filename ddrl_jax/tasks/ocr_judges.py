@@ -37,10 +37,11 @@ class TypicalityJudge:
   """Per-image denoising error of an independently pretrained model (see the module docstring).
 
   config: an OCR task config whose model matches the judge checkpoint (configs/ocr_tiny.py);
-  checkpoint: a params export of ddrl_jax.pretrain (relative paths from the repository root)."""
+  checkpoint: a params export of ddrl_jax.pretrain (relative paths from the repository root);
+  range_renders: how many real renders `real_range` (hence `outside_fraction`) is measured on."""
 
   def __init__(self, config, checkpoint=JUDGE_CHECKPOINT, times=tuple(np.linspace(0.1, 0.9, 9)), seed=11,
-               batch=256):
+               batch=256, range_renders=1024):
     from ddrl_jax import tasks  # pylint: disable=g-import-not-at-top  (tasks imports this package)
     config = config.copy_and_resolve_references()
     path = checkpoint if os.path.isabs(checkpoint) else os.path.join(ocr_task.REPO_ROOT, checkpoint)
@@ -53,6 +54,7 @@ class TypicalityJudge:
     self.task = tasks.get_task(config)
     self.apply_fn, self.params = self.task.init_model(jax.random.key(0))
     self.times, self.seed, self.batch = tuple(float(t) for t in times), seed, batch
+    self.range_renders = range_renders
     self._errors = jax.jit(self._errors_of)
 
   def _errors_of(self, params, x0, noise):
@@ -92,12 +94,12 @@ class TypicalityJudge:
   def __call__(self, images_u8):
     return float(self.per_image(images_u8).mean())
 
-  def real_range(self, num=1024):
-    """(low, high): the central 95% of the per-image error on `num` real renders (held-out strings,
-    seed 101), cached. The error alone is one-sided: smooth images (flat collapse, or a base model's
+  def real_range(self, num=None):
+    """(low, high): the central 95% of the per-image error on `num` (default `range_renders`) real
+    renders (held-out strings, seed 101), cached. The error alone is one-sided: smooth images (flat collapse, or a base model's
     noise-free samples) score below real renders, which carry pixel noise and texture."""
     if getattr(self, '_range', None) is None:
-      values = self.per_image(reference_renders(num))
+      values = self.per_image(reference_renders(num or self.range_renders))
       self._range = tuple(float(q) for q in np.quantile(values, (0.025, 0.975)))
     return self._range
 
