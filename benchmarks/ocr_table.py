@@ -283,7 +283,7 @@ class Runner:
         num = self.args.judge_renders
         cache = os.path.join(self.args.workdir, 'recognizer_reference.npy')
         cached = np.load(cache) if os.path.exists(cache) else None
-        if cached is None or len(cached) != num:
+        if cached is not None and len(cached) != num:    # made with another --judge_renders
           cached = None
         fd = ocr_judges.FrechetJudge(reference=ocr_judges.reference_renders(num) if cached is None else None,
                                      reference_features=cached)

@@ -96,8 +96,9 @@ class TypicalityJudge:
 
   def real_range(self, num=None):
     """(low, high): the central 95% of the per-image error on `num` (default `range_renders`) real
-    renders (held-out strings, seed 101), cached. The error alone is one-sided: smooth images (flat collapse, or a base model's
-    noise-free samples) score below real renders, which carry pixel noise and texture."""
+    renders (held-out strings, seed 101), cached. The error alone is one-sided: smooth images (flat
+    collapse, or a base model's noise-free samples) score below real renders, which carry pixel noise
+    and texture."""
     if getattr(self, '_range', None) is None:
       values = self.per_image(reference_renders(num or self.range_renders))
       self._range = tuple(float(q) for q in np.quantile(values, (0.025, 0.975)))
