@@ -431,3 +431,6 @@ def test_report_levels_and_matched_reference(tmp_path, capsys):
   assert '| ddrl@rl.data_beta | 3 | 100 |' in ocr_table.frontier_table(rows)   # without the iteration
   with pytest.raises(SystemExit):
     ocr_table.parse_args(['--levels=0.4,x'])
+  with pytest.raises(SystemExit):
+    ocr_table.parse_args(['--judge_renders=1'])
+  assert ocr_table.parse_args([]).judge_renders == 1024      # the recorded experiments' references
