@@ -45,7 +45,8 @@ Outputs in --out (benchmarks/): ocr_methods.jsonl (every evaluation, with comman
 ocr_methods.png (held-out OCR against drift from the base, and Tesseract against RapidOCR, over
 training; means over seeds), ocr_methods_<method>.png (samples of the first seed at its last evaluation),
 and on stdout three markdown tables: mean and 95% t-interval over seeds at each method's last common
-iteration; DDRL minus every other method (Welch 95% intervals) with DDRL's share of its OCR gain; and
+iteration (seeds still short of --iterations are left out, and listed, once another seed of the method
+reached it); DDRL minus every other method (Welch 95% intervals) with DDRL's share of its OCR gain; and
 every method at the first evaluation where it reached DDRL's final OCR (regularization at equal reward).
 (ocr_table.jsonl / ocr_table*.png are the earlier 80-iteration, one-seed table of RESULTS.md.)
 """
@@ -845,12 +846,30 @@ def rejudge(runner):
   return changed
 
 
+def finished_seeds(rows, iteration):
+  """(rows without the seeds still short of `iteration` in methods where another seed reached it, the
+  left-out (method, seed, last iteration) sorted). A method whose seeds all stop short keeps them all
+  (it is then read at their last common iteration, e.g. a control run for fewer iterations)."""
+  cells = by_cell(rows)
+  dropped = set()
+  for method, seeds in cells.items():
+    if any(iteration in evals for evals in seeds.values()):
+      dropped |= {(method, s, max(evals)) for s, evals in seeds.items() if iteration not in evals}
+  keys = {(m, s) for m, s, _ in dropped}
+  return [r for r in rows if (r['method'], r['seed']) not in keys], sorted(dropped)
+
+
 def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl', iteration=None):
-  """Writes <out>/<name>.jsonl and the plots; prints the tables. `levels`: the matched-OCR levels of
-  the sweeps' comparison; `reference`: the cell whose final OCR the along-training comparison matches;
-  `iteration`: where the sweeps' frontiers are read (None: each setting's last common iteration). A
-  setting without rows there is left out of the frontiers, so a running cell is not drawn as a point."""
+  """Writes <out>/<name>.jsonl (every row) and the plots; prints the tables. `levels`: the matched-OCR
+  levels of the sweeps' comparison; `reference`: the cell whose final OCR the along-training comparison
+  matches; `iteration`: the planned last iteration. Where it is given, a seed still short of it is left
+  out of every table and plot once another seed of its method reached it (so a cell just started does
+  not pull its method back to iteration 0), and the left-out seeds are listed; a setting with no seed
+  there is left out of the frontiers, so a running cell is not drawn as a point."""
   write_rows(os.path.join(out, f'{name}.jsonl'), rows)
+  running = []
+  if iteration is not None:
+    rows, running = finished_seeds(rows, iteration)
   plot(rows, os.path.join(out, f'{name}.png'))
   print(table(rows))
   print()
@@ -865,6 +884,10 @@ def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl',
     print(matched_table(rows, levels, iteration))
     print()
     print(knee_text(rows, iteration))
+  if running:
+    print()
+    print(f'still running (left out until they reach iteration {iteration}): ' +
+          ', '.join(f'{m} seed {s} at {it}' for m, s, it in running))
   note = machines_note(rows)
   if note:
     print()

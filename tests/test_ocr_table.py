@@ -429,6 +429,18 @@ def test_report_levels_and_matched_reference(tmp_path, capsys):
   assert [l.split(' | ')[1] for l in frontier] == ['0.01', '0.1', '1']    # the running setting is not drawn
   assert '- ddrl@rl.data_beta: no knee yet' in text
   assert '| ddrl@rl.data_beta | 3 | 100 |' in ocr_table.frontier_table(rows)   # without the iteration
+  # A seed just started beside finished ones is left out and listed, not read at its iteration 0.
+  assert f'| {reference} | 200 | 3 |' in text
+  rows += [_row(reference, 3, 0, 0.24, typicality=0.05), _row(reference, 4, 0, 0.24), _row(reference, 4, 25, 0.3)]
+  ocr_table.write_rows(str(work / 'evaluations.jsonl'), rows)
+  ocr_table.main(['--report', f'--workdir={work}', f'--out={out}', f'--cells={cells};{reference}:3,4'])
+  text = capsys.readouterr().out
+  assert f'| {reference} | 200 | 3 |' in text and f'(reward level: DDRL' not in text
+  assert (f'still running (left out until they reach iteration 200): ddrl@rl.data_beta=3.0 seed 0 at 100, '
+          f'{reference} seed 3 at 0, {reference} seed 4 at 25') not in text     # 3.0 has no finished seed
+  assert (f'still running (left out until they reach iteration 200): {reference} seed 3 at 0, '
+          f'{reference} seed 4 at 25') in text
+  assert len(ocr_table.read_rows(str(out / 'ocr_methods.jsonl'))) == len(rows)   # the record keeps them
   with pytest.raises(SystemExit):
     ocr_table.parse_args(['--levels=0.4,x'])
   with pytest.raises(SystemExit):
