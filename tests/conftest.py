@@ -111,18 +111,60 @@ SLOW_TESTS = SLOW_TESTS | frozenset([
     'test_sd3_lora_export.py::test_merged_weights_load_into_diffusers',
     'test_wan_lora_export.py::test_merged_weights_load_into_diffusers',
 ])
+SLOW_TESTS = SLOW_TESTS | frozenset([
+    # Launch dry runs: each starts launch/render.py (a JAX import, 5-8 s on 2 cores). The cosmos14b
+    # variants repeat the cosmos2b ones with other numbers (cosmos14b's commands are still parsed by
+    # test_train_commands_parse_with_the_train_flags); xpk's slice check repeats gcloud's; the reserved and
+    # spot capacities repeat best-effort's path without its alpha track.
+    'test_launch.py::test_gcloud_dry_run[configs/cosmos14b.py-create]',
+    'test_launch.py::test_gcloud_dry_run[configs/cosmos14b.py-queued]',
+    'test_launch.py::test_xpk_dry_run[configs/cosmos14b.py]',
+    'test_launch.py::test_slurm_submit_dry_run[configs/cosmos14b.py]',
+    'test_launch.py::test_slurm_in_job_checks_the_node_count[configs/cosmos14b.py]',
+    'test_launch.py::test_tpu_slice_must_fit_the_mesh[launch/tpu/xpk_v5p.sh---device-type]',
+    'test_launch.py::test_gcloud_capacity[reserved---reserved-False]',
+    'test_launch.py::test_gcloud_capacity[spot---spot-False]',
+    # ddrl_jax.train's one-line errors: each row is a Python start with JAX imports; the fast tier keeps
+    # one row per stage (flags, config file, override type, override key, validate) and --help.
+    'test_bad_inputs.py::test_cli_mistake_is_one_line[missing workdir]',
+    'test_bad_inputs.py::test_cli_mistake_is_one_line[near config file]',
+    'test_bad_inputs.py::test_cli_mistake_is_one_line[unknown preset]',
+    'test_bad_inputs.py::test_cli_mistake_is_one_line[unknown nested key]',
+    'test_bad_inputs.py::test_cli_mistake_is_one_line[unknown flag]',
+    'test_bad_inputs.py::test_cli_mistake_is_one_line[stray argument]',
+])
 # benchmarks/step_speed.py --quick, run by its tests, times the trainer, the public path, its reference
 # form and torch: minutes of compiles; the library path it times is tested in test_losses.py.
 SLOW_FILES = frozenset(['test_multihost.py', 'test_multihost_processes.py', 'test_step_speed.py'])
 
 
+def _name(item):
+  """'test_file.py::test_name[id]' (a parameter id may hold '/', e.g. a config's path)."""
+  path, _, test = item.nodeid.partition('::')
+  return f"{path.split('/')[-1]}::{test}"
+
+
 def _is_slow(item):
-  name = item.nodeid.split('/')[-1]
+  name = _name(item)
   return (name.split('::')[0] in SLOW_FILES or name in SLOW_TESTS
           or name.split('[')[0] in SLOW_TESTS)
 
 
-def pytest_collection_modifyitems(items):
+def _check_slow_names(config, items):
+  """A SLOW_TESTS entry naming no test of a collected file is a typo that would leave a slow test in the
+  fast tier: refused (unless single tests were asked for by node id)."""
+  if any('::' in str(arg) for arg in config.args):
+    return
+  names = {_name(item) for item in items}
+  files = {n.split('::')[0] for n in names}
+  known = names | {n.split('[')[0] for n in names}
+  stale = sorted(e for e in SLOW_TESTS if e.split('::')[0] in files and e not in known)
+  if stale:
+    raise pytest.UsageError(f'tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}')
+
+
+def pytest_collection_modifyitems(config, items):
+  _check_slow_names(config, items)
   for item in items:
     if _is_slow(item) and item.get_closest_marker('slow') is None:
       item.add_marker(pytest.mark.slow)
