@@ -850,13 +850,11 @@ def finished_seeds(rows, iteration):
   """(rows without the seeds still short of `iteration` in methods where another seed reached it, the
   left-out (method, seed, last iteration) sorted). A method whose seeds all stop short keeps them all
   (it is then read at their last common iteration, e.g. a control run for fewer iterations)."""
-  cells = by_cell(rows)
-  dropped = set()
-  for method, seeds in cells.items():
-    if any(iteration in evals for evals in seeds.values()):
-      dropped |= {(method, s, max(evals)) for s, evals in seeds.items() if iteration not in evals}
-  keys = {(m, s) for m, s, _ in dropped}
-  return [r for r in rows if (r['method'], r['seed']) not in keys], sorted(dropped)
+  running = sorted((method, s, max(evals)) for method, seeds in by_cell(rows).items()
+                   if any(iteration in evals for evals in seeds.values())
+                   for s, evals in seeds.items() if iteration not in evals)
+  left_out = {(method, s) for method, s, _ in running}
+  return [r for r in rows if (r['method'], r['seed']) not in left_out], running
 
 
 def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl', iteration=None):
