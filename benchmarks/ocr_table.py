@@ -39,7 +39,8 @@ the data and from the base's own samples, diversity, the texture and colour stat
 loss. Rows are appended to <workdir>/evaluations.jsonl as they are made, so a killed or budgeted run
 loses at most one interval and the next run continues from the cells' checkpoints (a kill between a
 checkpoint and its evaluation row re-evaluates that checkpoint, and its interval's training time is
-not counted).
+not counted). An evaluation this machine already made of the same parameters and evaluation settings
+(every cell's iteration 0 is the base's) is copied, naming its source in `evaluation_of`.
 
 Outputs in --out (benchmarks/): ocr_methods.jsonl (every evaluation, with command, date and machine),
 ocr_methods.png (held-out OCR against drift from the base, and Tesseract against RapidOCR, over
@@ -53,14 +54,17 @@ every method at the first evaluation where it reached DDRL's final OCR (regulari
 import argparse
 import ast
 import collections
+import hashlib
 import re
 import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 
+import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,6 +79,7 @@ from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import xla_flags
 from ddrl_jax.models import lora
 from ddrl_jax.tasks import ocr_judges
+from ddrl_jax.tasks import ocr_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -252,6 +257,32 @@ def passes_per_condition(config):
   return int(round(n * p.rollout * g)), int(round(n * (p.total - p.rollout) * g))
 
 
+# The config sections ddrl_jax.evaluate.evaluate_ocr and the judges read (the sampler, the readers, the
+# model's task and layout); the RL sections (rl, optim, data, seed, ...) do not change an evaluation.
+EVALUATION_CONFIG = ('sampler', 'ocr', 'reward', 'mesh', 'sharding', 'model_family', 'task')
+
+
+def params_digest(params):
+  """sha256 hex digest of a parameter tree: every leaf's shape, dtype and bytes, in tree order."""
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(params):
+    value = np.asarray(leaf)
+    digest.update(f'{value.shape}{value.dtype}'.encode())
+    digest.update(value.tobytes())
+  return digest.hexdigest()
+
+
+def evaluation_key(config, params, args, judges):
+  """A digest of everything an evaluation's numbers depend on besides the machine: the parameters, the
+  EVALUATION_CONFIG sections, the evaluation's size and the judges."""
+  sections = {k: config[k].to_dict() if hasattr(config[k], 'to_dict') else config[k]
+              for k in EVALUATION_CONFIG if k in config}
+  spec = dict(config=sections, prompts=args.prompts, per_prompt=args.per_prompt,
+              judges=sorted(judges), judge_renders=args.judge_renders)
+  text = params_digest(params) + json.dumps(spec, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 class Runner:
   """Trains and evaluates cells, recording one row per evaluation in <workdir>/evaluations.jsonl."""
 
@@ -269,6 +300,7 @@ class Runner:
     self.rows = read_rows(self.rows_path)
     self.deadline = time.monotonic() + 60 * args.budget_minutes if args.budget_minutes > 0 else None
     self.reference = None
+    self.base_key = None
     self.cells = []
     self._judges = None
 
@@ -309,22 +341,57 @@ class Runner:
     return any(r['method'] == method and r['seed'] == seed and r['iteration'] == iteration
                for r in self.rows)
 
-  def evaluate(self, config, trainer, method, seed, iteration, train_seconds):
-    """Evaluates the trainer's params, appends the row; returns the (P, K) grid and image statistics."""
+  def evaluate(self, config, trainer, method, seed, iteration, train_seconds, reuse=True):
+    """Evaluates the trainer's params, appends the row; returns the (P, K) grid and image statistics.
+
+    With `reuse`, an evaluation this machine already made of the same parameters under the same
+    evaluation settings (`evaluation_key`) is copied instead of recomputed (every cell's iteration 0 is
+    the base's; on one machine the evaluation is deterministic, RESULTS.md): the row names its source in
+    `evaluation_of`, its samples file is copied, and the drift from the base, the grid and the statistics
+    are computed from those samples as evaluate_ocr computes them.
+    """
     a = self.args
-    metrics, grid, stats = evaluate_lib.evaluate_ocr(
-        config, trainer.apply_fn, lora.combine(trainer.state.params, trainer.state.frozen), trainer.task,
-        prompts=a.prompts,
-        per_prompt=a.per_prompt, reference_stats=self.reference, return_stats=True,
-        judges=self.judges(config), samples_path=self.samples_path(method, seed, iteration))
+    params = lora.combine(trainer.state.params, trainer.state.frozen)
+    judges = self.judges(config)
+    key = evaluation_key(config, params, a, judges)
     rollout, train = passes_per_condition(config) if method != 'base' else (0, 0)
     row = dict(self.meta, method=method, seed=seed, iteration=iteration, train_seconds=train_seconds,
-               passes_rollout=rollout, passes_train=train, boot_id=boot_id(), **metrics)
+               passes_rollout=rollout, passes_train=train, boot_id=boot_id(), evaluation_key=key)
+    source = self.same_evaluation(key) if reuse else None
+    if source is not None:
+      target = self.samples_path(method, seed, iteration)
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      shutil.copyfile(self.samples_path(source['method'], source['seed'], source['iteration']), target)
+      row['evaluation_of'] = source.get(
+          'evaluation_of', f"{source['method']}:{source['seed']}:{source['iteration']}")
+      row.update({k: v for k, v in source.items() if k not in row})
+      images, _ = evaluate_lib.load_samples(target)      # what evaluate_ocr computed its statistics on
+      stats = ocr_metrics.batch_stats(images)
+      if self.reference is not None:
+        row['style_drift_from_reference'] = ocr_metrics.style_drift(stats, self.reference)
+      grid = images[:min(8, a.prompts) * a.per_prompt]
+    else:
+      metrics, grid, stats = evaluate_lib.evaluate_ocr(
+          config, trainer.apply_fn, params, trainer.task, prompts=a.prompts,
+          per_prompt=a.per_prompt, reference_stats=self.reference, return_stats=True,
+          judges=judges, samples_path=self.samples_path(method, seed, iteration))
+      row.update(metrics)
     self.rows.append(row)
     append_row(self.rows_path, row)
     shown = {k: round(row[k], 4) for k, _, _ in COLUMNS if k in row}
-    print(json.dumps(dict(method=method, seed=seed, iteration=iteration, **shown)), flush=True)
+    print(json.dumps(dict(method=method, seed=seed, iteration=iteration, **shown,
+                          **({'evaluation_of': row['evaluation_of']} if source else {}))), flush=True)
     return grid, stats
+
+  def same_evaluation(self, key):
+    """The last row this machine recorded with evaluation key `key` and its samples on disk, else None
+    (the base's row, recorded before rows carried keys, matches the key `base` computed)."""
+    for r in reversed(self.rows):
+      matches = r.get('evaluation_key', self.base_key if r['method'] == 'base' else None) == key
+      if (matches and r.get('boot_id') == boot_id()
+          and os.path.exists(self.samples_path(r['method'], r['seed'], r['iteration']))):
+        return r
+    return None
 
   def base(self):
     """The base model's evaluation (once) and its image statistics, the reference of 'drift from base'."""
@@ -334,10 +401,12 @@ class Runner:
     trainer.restore_or_init()
     if not self.recorded('base', 0, 0) or not os.path.exists(stats_path):
       self.rows = [r for r in self.rows if r['method'] != 'base']
-      grid, stats = self.evaluate(config, trainer, 'base', 0, 0, 0.0)
+      grid, stats = self.evaluate(config, trainer, 'base', 0, 0, 0.0, reuse=False)
       np.save(stats_path, stats)
       image_grid.write_grid(os.path.join(self.args.out, f'{self.args.name}_base.png'), grid,
                             columns=self.args.per_prompt * 2)
+    self.base_key = evaluation_key(config, lora.combine(trainer.state.params, trainer.state.frozen),
+                                   self.args, self.judges(config))
     trainer.close_rewards()
     self.reference = np.load(stats_path)
 

@@ -223,6 +223,10 @@ def test_a_budgeted_run_resumes_without_repeating_work(tmp_path):
   assert keys == [('base', 0, 0), ('ddrl', 0, 0), ('ddrl', 0, 1), ('ddrl', 0, 2)]
   assert rows[-1]['train_seconds'] > rows[-2]['train_seconds'] > 0
   assert all(np.isfinite(r['ocr_heldout']) for r in rows)
+  # The cell starts from the base's parameters, so its iteration 0 is the base's evaluation, copied.
+  assert rows[1]['evaluation_of'] == 'base:0:0' and 'evaluation_of' not in rows[2]
+  assert rows[1]['ocr_heldout'] == rows[0]['ocr_heldout'] and rows[1]['typicality'] == rows[0]['typicality']
+  assert abs(rows[1]['style_drift_from_reference']) < 1e-6    # 4 samples: sqrtm's noise on a singular fit
   assert 'style_drift_from_reference' in rows[-1]
   assert all(np.isfinite(r[k]) for r in rows for k in ('fd_recognizer', 'typicality', 'typicality_outside'))
   assert np.load(work / 'recognizer_reference.npy').shape[0] == 32
@@ -334,6 +338,44 @@ def test_a_run_with_overrides_a_shifted_base_and_judges_then_rejudges(tmp_path, 
   rows = ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))
   assert [r['typicality'] for r in rows] == [1.0, 1.0, 3.0]
   assert [r['fd_recognizer'] for r in rows] == [0.0, 0.0, 2.0]   # kept, not recomputed
+
+
+def test_an_evaluation_of_the_same_model_is_copied_not_repeated(tmp_path, fake_cells, monkeypatch):
+  """Stubbed cells that all start from the same parameters: a cell's iteration 0 copies the base's row
+  and samples (and computes its drift from the base from them), unless its evaluation settings differ
+  or the row was made on another machine; parameters that differ are evaluated."""
+  monkeypatch.setattr(_FakeTrainer, '_set_step', lambda self, step: (
+      setattr(self, 'step', step), setattr(self.state, 'params', ('model', step))))
+  work, out = tmp_path / 'work', tmp_path / 'out'
+  out.mkdir()
+  argv = ['--iterations=1', '--eval_every=1', '--prompts=1', '--per_prompt=2', f'--workdir={work}',
+          f'--out={out}', '--no_judges']
+  ocr_table.main(argv + ['--cells=ddrl:0;ddrl@sampler.num_steps=3:0'])
+  evaluated = [c[1:] for c in fake_cells if c[0] == 'eval']
+  assert evaluated == [('model', 0), ('model', 1), ('model', 0), ('model', 1)]
+  rows = {(r['method'], r['iteration']): r for r in ocr_table.read_rows(work / 'evaluations.jsonl')}
+  base, copied = rows[('base', 0)], rows[('ddrl', 0)]
+  assert copied['evaluation_of'] == 'base:0:0' and copied['evaluation_key'] == base['evaluation_key']
+  assert copied['ocr_heldout'] == base['ocr_heldout'] and copied['style_drift'] == base['style_drift']
+  assert 'evaluation_of' not in rows[('ddrl@sampler.num_steps=3', 0)]        # another sampler
+  assert rows[('ddrl@sampler.num_steps=3', 0)]['evaluation_key'] != base['evaluation_key']
+  assert 'evaluation_of' not in rows[('ddrl', 1)]
+  source, target = (work / 'base' / 'samples' / 'it0000.npz', work / 'ddrl' / 'seed0' / 'samples' / 'it0000.npz')
+  assert target.read_bytes() == source.read_bytes()
+  images, _ = ocr_table.evaluate_lib.load_samples(str(target))
+  reference = np.load(work / 'base_stats.npy')
+  expected = ocr_table.ocr_metrics.style_drift(ocr_table.ocr_metrics.batch_stats(images), reference)
+  assert copied['style_drift_from_reference'] == pytest.approx(expected)
+  del fake_cells[:]
+  ocr_table.main(argv + ['--cells=ddrl:1'])    # (the stub's iteration 1 is the same model in every cell)
+  assert [c for c in fake_cells if c[0] == 'eval'] == []
+  later = ocr_table.read_rows(work / 'evaluations.jsonl')[-2:]
+  assert [r['evaluation_of'] for r in later] == ['base:0:0', 'ddrl:0:1']   # a copy of a copy: the first
+  del fake_cells[:]
+  monkeypatch.setattr(ocr_table, 'boot_id', lambda: 'another machine')
+  ocr_table.main(argv + ['--cells=ddrl:2'])               # rows of another machine are not copied
+  assert [c[1:] for c in fake_cells if c[0] == 'eval'] == [('model', 0), ('model', 1)]
+
 
 
 def _sweep_rows(rng):
