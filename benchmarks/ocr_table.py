@@ -300,7 +300,8 @@ class Runner:
     self.rows = read_rows(self.rows_path)
     self.deadline = time.monotonic() + 60 * args.budget_minutes if args.budget_minutes > 0 else None
     self.reference = None
-    self.base_key = None
+    self._base_params = None
+    self._base_key = None
     self.cells = []
     self._judges = None
 
@@ -369,7 +370,7 @@ class Runner:
       stats = ocr_metrics.batch_stats(images)
       if self.reference is not None:
         row['style_drift_from_reference'] = ocr_metrics.style_drift(stats, self.reference)
-      grid = images[:min(8, a.prompts) * a.per_prompt]
+      grid = evaluate_lib.sample_grid(images, a.prompts, a.per_prompt)
     else:
       metrics, grid, stats = evaluate_lib.evaluate_ocr(
           config, trainer.apply_fn, params, trainer.task, prompts=a.prompts,
@@ -385,9 +386,12 @@ class Runner:
 
   def same_evaluation(self, key):
     """The last row this machine recorded with evaluation key `key` and its samples on disk, else None
-    (the base's row, recorded before rows carried keys, matches the key `base` computed)."""
+    (the base's row, recorded before rows carried keys, matches the key of the parameters `base` loaded)."""
+    if self._base_key is None and self._base_params is not None:
+      config = self.base_config()
+      self._base_key = evaluation_key(config, self._base_params, self.args, self.judges(config))
     for r in reversed(self.rows):
-      matches = r.get('evaluation_key', self.base_key if r['method'] == 'base' else None) == key
+      matches = r.get('evaluation_key', self._base_key if r['method'] == 'base' else None) == key
       if (matches and r.get('boot_id') == boot_id()
           and os.path.exists(self.samples_path(r['method'], r['seed'], r['iteration']))):
         return r
@@ -405,8 +409,7 @@ class Runner:
       np.save(stats_path, stats)
       image_grid.write_grid(os.path.join(self.args.out, f'{self.args.name}_base.png'), grid,
                             columns=self.args.per_prompt * 2)
-    self.base_key = evaluation_key(config, lora.combine(trainer.state.params, trainer.state.frozen),
-                                   self.args, self.judges(config))
+    self._base_params = lora.combine(trainer.state.params, trainer.state.frozen)   # keyed when first needed
     trainer.close_rewards()
     self.reference = np.load(stats_path)
 

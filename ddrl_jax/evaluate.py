@@ -194,8 +194,14 @@ def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, se
   if samples_path:
     save_samples(samples_path, generated, texts[:n_held])
   out.update({f'stat/{n}': float(v) for n, v in zip(ocr_metrics.STAT_NAMES, gen_stats.mean(0))})
-  grid = images[:min(8, prompts) * per_prompt]
+  grid = sample_grid(images, prompts, per_prompt)
   return (out, grid, gen_stats) if return_stats else (out, grid)
+
+
+def sample_grid(images, prompts, per_prompt):
+  """The (P * per_prompt, H, W, 3) images of an evaluation's grid: its first P = min(8, prompts) held-out
+  prompts, from images that start with the held-out samples (prompt-major)."""
+  return images[:min(8, prompts) * per_prompt]
 
 
 def save_samples(path, images, texts):
