@@ -25,8 +25,11 @@ Judges (ddrl_jax/tasks/ocr_judges.py) score every evaluation when they are avail
 independent model's denoising error; needs checkpoints/ocr_tiny_judge) and `fd_recognizer` (Frechet
 distance to real renders in RapidOCR's recognizer features). Every evaluation's held-out samples are
 kept (<workdir>/<method>/seed<s>/samples/it<iteration>.npz, the base's in <workdir>/base/), so
---rejudge adds a judge to rows recorded before it existed. Rows carry the machine's boot id: the report
-names cells run on another machine (their numbers are not bit-comparable; RESULTS.md, issue 14).
+--rejudge adds a judge to rows recorded before it existed. Rows carry the machine's boot id and its
+arithmetic (`numerics`: a fingerprint of the base's evaluation, which each machine instance makes once;
+machines whose XLA:CPU kernels use another vector ISA sample slightly different images from the same
+parameters and seed). Gains over the base are taken against the base of the row's own arithmetic, and
+the report lists the cells of each arithmetic.
 
 Every cell (method, seed) starts from configs/ocr_tiny.py's shipped base model and runs the same
 iterations of 8 prompts x 8 rollouts with the same SDE sampler (methods differ in their objective; the
@@ -398,13 +401,15 @@ class Runner:
     return None
 
   def base(self):
-    """The base model's evaluation (once) and its image statistics, the reference of 'drift from base'."""
+    """The base model's evaluation (once per machine instance: its values fingerprint the machine's
+    arithmetic, `numerics_of`, which every later row records) and its image statistics, the reference
+    of 'drift from base'."""
     stats_path = os.path.join(self.args.workdir, 'base_stats.npy')
     config = self.base_config()
     trainer = trainer_lib.Trainer(config, os.path.join(self.args.workdir, 'base'))
     trainer.restore_or_init()
-    if not self.recorded('base', 0, 0) or not os.path.exists(stats_path):
-      self.rows = [r for r in self.rows if r['method'] != 'base']
+    here = lambda: [r for r in self.rows if r['method'] == 'base' and r.get('boot_id') == boot_id()]
+    if not here() or not os.path.exists(stats_path):
       grid, stats = self.evaluate(config, trainer, 'base', 0, 0, 0.0, reuse=False)
       np.save(stats_path, stats)
       image_grid.write_grid(os.path.join(self.args.out, f'{self.args.name}_base.png'), grid,
@@ -412,6 +417,7 @@ class Runner:
     self._base_params = lora.combine(trainer.state.params, trainer.state.frozen)   # keyed when first needed
     trainer.close_rewards()
     self.reference = np.load(stats_path)
+    self.meta['numerics'] = numerics_of(here()[-1])
 
   def cell_config(self, method, seed):
     """The config a cell trains: its preset or arm, then --base, then the cell's own overrides."""
@@ -534,16 +540,17 @@ def table(rows):
   head = ['method', 'iteration', 'seeds'] + [title for _, title, _ in present] + [
       'passes / condition / iteration (rollout + training)', 'train time (min)']
   lines = markdown_head(head)
-  base = summ.get('base')
-  if base is not None:
+  bases = bases_by_numerics(rows)
+  for kind, base in bases.items():
     cells = []
     for key, _, fmt in present:
-      text = cell_text(base[2][key], fmt) if key in base[2] else '-'
+      text = f'{base[key]:{fmt}}' if key in base else '-'
       ref = DATA_REFERENCE.get(key)
-      if ref and ref in base[2]:
-        text += f' (data {base[2][ref][0]:{fmt}})'
+      if ref and ref in base:
+        text += f' (data {base[ref]:{fmt}})'
       cells.append(text)
-    lines.append('| base | 0 | - | ' + ' | '.join(cells) + ' | - | - |')
+    label = 'base' if len(bases) == 1 else f'base (arithmetic {kind})'
+    lines.append(f'| {label} | 0 | - | ' + ' | '.join(cells) + ' | - | - |')
   for method, (it, n, stats) in summ.items():
     if method == 'base':
       continue
@@ -587,10 +594,9 @@ def contrasts(rows, reference='ddrl'):
   """Markdown: `reference` minus every other trained method at the pair's last common iteration, mean
   difference ± Welch 95% half-width over seeds per key (no interval where a side has one seed), and the
   reference's Tesseract gain over the base as a share of the method's."""
-  cells = by_cell(rows)
-  if reference not in cells or 'base' not in cells:
+  cells, bases = by_cell(rows), bases_by_numerics(rows)
+  if reference not in cells or not bases:
     return ''
-  base = cells['base'][0][0]
   head = ['method', 'iteration', 'seeds (DDRL, method)', 'DDRL gain / method gain (Tesseract)'] + [
       f'DDRL - method: {title}' for _, title, _ in CONTRAST_KEYS]
   lines = markdown_head(head)
@@ -604,8 +610,8 @@ def contrasts(rows, reference='ddrl'):
     it = max(common)
     ref_rows = [evals[it] for evals in cells[reference].values()]
     rows_m = [evals[it] for evals in seeds.values()]
-    gain_ref = np.mean([r['ocr_heldout'] for r in ref_rows]) - base['ocr_heldout']
-    gain_m = np.mean([r['ocr_heldout'] for r in rows_m]) - base['ocr_heldout']
+    gain_ref = np.mean([gain(bases, r) for r in ref_rows])
+    gain_m = np.mean([gain(bases, r) for r in rows_m])
     share = f'{gain_ref / gain_m:.0%}' if gain_m > 0 else f'(method gain {gain_m:+.3f})'
     texts = []
     for key, _, fmt in CONTRAST_KEYS:
@@ -817,12 +823,12 @@ def matched_table(rows, levels=(0.45, 0.55), iteration=None):
 
 def knee(rows, methods, reward='ocr_heldout', share=0.5, iteration=None):
   """The knee of a sweep whose `methods` run from weak to strong regularization: the strongest setting
-  whose mean `reward` gain over the base keeps at least `share` of the sweep's largest mean gain. Judge-free
-  on purpose (the shifted-base arms are then compared by the judges without having been picked by them).
+  whose mean `reward` gain over the base (`gain`: the base of each row's own machine arithmetic) keeps
+  at least `share` of the sweep's largest mean gain. Judge-free on purpose (the shifted-base arms are
+  then compared by the judges without having been picked by them).
   Returns (index into methods, {method: mean gain}), or None before every setting has rows at one iteration."""
-  cells = by_cell(rows)
-  base = cells.get('base', {}).get(0, {}).get(0)
-  if base is None:
+  cells, bases = by_cell(rows), bases_by_numerics(rows)
+  if not bases:
     return None
   gains, reached = {}, set()
   for method in methods:
@@ -830,7 +836,7 @@ def knee(rows, methods, reward='ocr_heldout', share=0.5, iteration=None):
     if not at:
       return None
     reached.add(it)
-    gains[method] = float(np.mean([r[reward] for r in at])) - base[reward]
+    gains[method] = float(np.mean([gain(bases, r, reward) for r in at]))
   if len(reached) > 1:          # a setting still running: gains at different iterations do not compare
     return None
   best = max(gains.values())
@@ -865,7 +871,7 @@ def plot_frontiers(rows, path, iteration=None):
     return
   fig, axes = plt.subplots(len(READERS), len(JUDGES), figsize=(4.2 * len(JUDGES), 3.8 * len(READERS)),
                            squeeze=False)
-  base = cells.get('base', {}).get(0, {}).get(0)
+  bases = list(bases_by_numerics(rows).values())
   for row_ax, (reward, reader) in zip(axes, READERS):
     for ax, (judge, title, _) in zip(row_ax, JUDGES):
       for name, members in fams.items():
@@ -880,8 +886,9 @@ def plot_frontiers(rows, path, iteration=None):
           ax.errorbar(xm, ym, xerr=xh, yerr=yh, fmt='o-', ms=3, capsize=2, label=name)
           for value, x, _, y, _ in pts:
             ax.annotate(f'{value:g}', (x, y), fontsize=6)
-      if base is not None and judge in base and reward in base:
-        ax.plot([base[judge]], [base[reward]], 'k*', ms=8, label='base')
+      for i, base in enumerate(bases):   # one star per machine arithmetic (numerics_note)
+        if judge in base and reward in base:
+          ax.plot([base[judge]], [base[reward]], 'k*', ms=8, label='base' if i == 0 else None)
       ax.set_xlabel(title)
       ax.set_ylabel(f'held-out OCR ({reader})')
       ax.grid(alpha=0.3)
@@ -891,14 +898,77 @@ def plot_frontiers(rows, path, iteration=None):
   plt.close(fig)
 
 
-def machines_note(rows):
-  """Text naming the cells whose rows were recorded on another machine instance than most rows."""
-  ids = collections.Counter(r.get('boot_id', 'unrecorded') for r in rows)
-  if len(ids) <= 1:
+# Fields of the base model's evaluation that fingerprint a machine's arithmetic (evaluate_ocr always
+# computes them; XLA:CPU's kernels follow the host's vector ISA, so two machine kinds sample slightly
+# different images from the same parameters and seed: RESULTS.md, issue 28).
+NUMERICS_KEYS = ('ocr_heldout', 'ocr_heldout_rapid', 'heldout_diffusion_loss', 'style_drift', 'diversity',
+                 'colour_spread')
+
+
+def numerics_of(base_row):
+  """A short id of the arithmetic of the machine that recorded `base_row` (the base model's evaluation):
+  two machines reproduce each other's rows bit for bit only where they reproduce this evaluation, so rows
+  with one id compare directly and rows with another are compared through their own machine's base."""
+  fields = [repr(float(base_row[k])) for k in NUMERICS_KEYS if k in base_row]
+  return hashlib.sha256(' '.join(fields).encode()).hexdigest()[:8]
+
+
+def with_numerics(rows):
+  """`rows`, each with 'numerics': a base row's own (`numerics_of`); a cell row's recorded one, else that
+  of the base row its machine instance (boot id) recorded, else the one id every base row shares, else
+  'unknown'."""
+  by_boot = {r.get('boot_id'): numerics_of(r) for r in rows if r['method'] == 'base'}
+  kinds = set(by_boot.values())
+  shared = next(iter(kinds)) if len(kinds) == 1 else 'unknown'
+  out = []
+  for r in rows:
+    if r['method'] == 'base':
+      kind = numerics_of(r)
+    else:
+      kind = r.get('numerics') or by_boot.get(r.get('boot_id'), shared)
+    out.append(r if r.get('numerics') == kind else dict(r, numerics=kind))
+  return out
+
+
+def bases_by_numerics(rows):
+  """{numerics: the last base row recorded on machines of that arithmetic}, kinds in order of appearance."""
+  out = {}
+  for r in with_numerics([r for r in rows if r['method'] == 'base']):
+    out[r['numerics']] = r
+  return out
+
+
+def base_for(bases, row):
+  """The base row of `row`'s machine arithmetic (the first kind's where its own has none); None
+  without a base row."""
+  if not bases:
+    return None
+  return bases.get(row.get('numerics'), next(iter(bases.values())))
+
+
+def gain(bases, row, key='ocr_heldout'):
+  """row[key] minus the same key of the base evaluated on a machine with the row's arithmetic."""
+  return row[key] - base_for(bases, row)[key]
+
+
+def numerics_note(rows):
+  """Text naming, where rows come from machines of more than one arithmetic, each kind's base reading
+  and its cells (method:seed), and how they are compared."""
+  rows = with_numerics(rows)
+  bases = bases_by_numerics(rows)
+  kinds = collections.defaultdict(set)
+  for r in rows:
+    if r['method'] != 'base':
+      kinds[r['numerics']].add(f"{r['method']}:{r['seed']}")
+  if len(set(kinds) | set(bases)) <= 1:
     return ''
-  main_id = ids.most_common(1)[0][0]
-  other = sorted({f"{r['method']}:{r['seed']}" for r in rows if r.get('boot_id', 'unrecorded') != main_id})
-  return f'rows from another machine instance than {main_id[:8]}: ' + ', '.join(other)
+  parts = []
+  for kind in list(bases) + sorted(set(kinds) - set(bases)):
+    b = bases.get(kind)
+    reading = f"base Tesseract {b['ocr_heldout']:.4f}" if b else 'no base row'
+    parts.append(f'{kind} ({reading}): ' + (', '.join(sorted(kinds[kind])) or 'the base only'))
+  return ('rows by machine arithmetic (gains over the base are taken against the base of the same '
+          'arithmetic): ' + '; '.join(parts))
 
 
 def rejudge(runner):
@@ -936,6 +1006,7 @@ def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl',
   out of every table and plot once another seed of its method reached it (so a cell just started does
   not pull its method back to iteration 0), and the left-out seeds are listed; a setting with no seed
   there is left out of the frontiers, so a running cell is not drawn as a point."""
+  rows = with_numerics(rows)
   write_rows(os.path.join(out, f'{name}.jsonl'), rows)
   running = []
   if iteration is not None:
@@ -958,7 +1029,7 @@ def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl',
     print()
     print(f'still running (left out until they reach iteration {iteration}): ' +
           ', '.join(f'{m} seed {s} at {it}' for m, s, it in running))
-  note = machines_note(rows)
+  note = numerics_note(rows)
   if note:
     print()
     print(note)

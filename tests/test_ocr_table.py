@@ -424,6 +424,60 @@ def test_sweeps_frontiers_and_the_matched_comparison(tmp_path):
   assert (tmp_path / 'f.png').stat().st_size > 1000
 
 
+def test_rows_from_another_machine_arithmetic_are_compared_to_their_own_base(tmp_path):
+  """Seed 2 of each setting ran on a machine whose base reads 0.02 higher: the gains (knee, contrasts)
+  subtract each row's own machine's base, the table shows both bases, and the note names the cells."""
+  rows = _sweep_rows(np.random.default_rng(0))
+  for r in rows:
+    r['boot_id'] = 'old' if r['seed'] < 2 else 'new'
+  shifted = dict(_row('base', 0, 0, 0.26, typicality=0.05), boot_id='new', heldout_diffusion_loss=0.5)
+  rows.insert(1, shifted)
+  rows = ocr_table.with_numerics(rows)
+  old_kind, new_kind = ocr_table.numerics_of(rows[0]), ocr_table.numerics_of(shifted)
+  assert old_kind != new_kind
+  assert {r['numerics'] for r in rows if r['seed'] == 2} == {new_kind}
+  assert {r['numerics'] for r in rows if r['seed'] < 2 and r['method'] != 'base'} == {old_kind}
+  assert list(ocr_table.bases_by_numerics(rows)) == [old_kind, new_kind]
+  fams = ocr_table.sweeps(list(ocr_table.by_cell(rows)))
+  methods = [m for _, m in fams['ddrl@rl.data_beta']]
+  _, gains = ocr_table.knee(rows, methods)
+  # OCR 0.6 - 0.1 i + 0.01 (seed - 1); seeds 0-1 over 0.24, seed 2 over 0.26: mean gain 0.36 - 0.02 / 3
+  assert gains[methods[0]] == pytest.approx(0.36 - 0.02 / 3)
+  one_base = [{k: v for k, v in r.items() if k != 'numerics'} for r in rows if r is not rows[1]]
+  assert ocr_table.knee(one_base, methods)[1][methods[0]] == pytest.approx(0.36)
+  table = ocr_table.table(rows)
+  assert f'| base (arithmetic {old_kind}) | 0 | - | 0.240' in table
+  assert f'| base (arithmetic {new_kind}) | 0 | - | 0.260' in table
+  assert '| base | 0 |' in ocr_table.table(one_base)
+  note = ocr_table.numerics_note(rows)
+  assert f'{new_kind} (base Tesseract 0.2600): ddrl@rl.data_beta=0.01:2' in note
+  assert 'flow_grpo_exact_kl@rl.kl_beta=1.0:2' in note and ':1' not in note.split(new_kind)[-1]
+  assert ocr_table.numerics_note(one_base) == ''
+  assert ocr_table.with_numerics(one_base)[-1]['numerics'] == old_kind      # no base of its own: the one
+
+
+def test_each_machine_instance_evaluates_the_base_once_and_rows_record_its_arithmetic(
+    tmp_path, fake_cells, monkeypatch):
+  """A workdir moved to another machine instance: its base is evaluated again there (its row is kept
+  beside the first machine's), and the rows made there record that machine's arithmetic."""
+  work, out = tmp_path / 'work', tmp_path / 'out'
+  out.mkdir()
+  argv = ['--iterations=1', '--eval_every=1', '--prompts=1', '--per_prompt=2', f'--workdir={work}',
+          f'--out={out}', '--no_judges']
+  ocr_table.main(argv + ['--cells=ddrl:0'])
+  del fake_cells[:]
+  ocr_table.main(argv + ['--cells=ddrl:0,1'])
+  assert [c for c in fake_cells if c[0] == 'eval' and c[1] == 'base'] == []     # same instance: once
+  monkeypatch.setattr(ocr_table, 'boot_id', lambda: 'another machine')
+  ocr_table.main(argv + ['--cells=ddrl:0,1,2'])
+  rows = ocr_table.read_rows(work / 'evaluations.jsonl')
+  bases = [r for r in rows if r['method'] == 'base']
+  assert [r['boot_id'] == 'another machine' for r in bases] == [False, True]
+  kind = ocr_table.numerics_of(bases[-1])
+  assert [r['numerics'] for r in rows if r['seed'] == 2] == [kind, kind]
+  assert all('numerics' in r for r in rows if r['method'] != 'base')
+
+
 def test_print_plan(capsys):
   ocr_table.main(['--print_plan=controls'])
   assert capsys.readouterr().out.strip() == 'flow_grpo_ddrl_recipe:0,1,2'
