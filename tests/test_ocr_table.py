@@ -478,6 +478,42 @@ def test_each_machine_instance_evaluates_the_base_once_and_rows_record_its_arith
   assert all('numerics' in r for r in rows if r['method'] != 'base')
 
 
+def test_cells_can_be_read_as_the_mean_of_their_last_evaluations(tmp_path, capsys):
+  """--average_last=N: every cell's row at --iterations holds the mean of its last N evaluations in the
+  tables and knees (a seed with fewer keeps its own); the base and earlier rows are untouched."""
+  rows = _sweep_rows(np.random.default_rng(0))
+  earlier = [dict(r, iteration=175, ocr_heldout=r['ocr_heldout'] - 0.1, typicality=0.0)
+             for r in rows if r['method'] != 'base']
+  rows += earlier
+  averaged = ocr_table.average_last(rows, 200, 2)
+  assert ocr_table.average_last(rows, 200, 1) is rows
+  by = {(r['method'], r['seed'], r['iteration']): r for r in averaged}
+  for r in rows:
+    a = by[(r['method'], r['seed'], r['iteration'])]
+    if r['iteration'] == 200:
+      assert a['ocr_heldout'] == pytest.approx(r['ocr_heldout'] - 0.05)
+      assert a['typicality'] == pytest.approx(r['typicality'] / 2) and a['averaged_over'] == [175, 200]
+      assert a['train_seconds'] == r['train_seconds']
+    else:
+      assert a is r
+  assert len(ocr_table.average_last(rows, 200, 3)) == len(rows)          # too few evaluations: kept
+  assert ocr_table.average_last(rows, 200, 3)[-1] is rows[-1]
+  methods = [m for m in dict.fromkeys(r['method'] for r in rows) if m.startswith('ddrl@')]
+  assert ocr_table.knee(averaged, methods)[1][methods[0]] == pytest.approx(0.36 - 0.05)
+  work, out = tmp_path / 'work', tmp_path / 'out'
+  work.mkdir()
+  out.mkdir()
+  ocr_table.write_rows(str(work / 'evaluations.jsonl'), rows)
+  cells = ';'.join(f'{m}:0,1,2' for m in sorted({r['method'] for r in rows if r['method'] != 'base'}))
+  ocr_table.main(['--report', f'--workdir={work}', f'--out={out}', f'--cells={cells}', '--average_last=2'])
+  text = capsys.readouterr().out
+  assert '(cells read at iteration 200 as the mean of their last 2 evaluations)' in text
+  assert f'- ddrl@rl.data_beta: knee' in text and '0.01: +0.310' in text
+  assert (out / 'ocr_methods_frontiers_last2.png').exists()
+  with pytest.raises(SystemExit):
+    ocr_table.parse_args(['--average_last=0'])
+
+
 def test_print_plan(capsys):
   ocr_table.main(['--print_plan=controls'])
   assert capsys.readouterr().out.strip() == 'flow_grpo_ddrl_recipe:0,1,2'
