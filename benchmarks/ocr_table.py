@@ -437,13 +437,18 @@ class Runner:
     config = self.cell_config(method, seed)
     trainer = trainer_lib.Trainer(config, os.path.join(a.workdir, cell_dirname(method), f'seed{seed}'))
     start = trainer.restore_or_init()
-    is_stale = lambda r: r['method'] == method and r['seed'] == seed and r['iteration'] > start
-    if any(map(is_stale, self.rows)):   # evaluations past the checkpoint it resumes from: made again
+
+    def stale(rows):   # evaluations past the checkpoint it resumes from, or at it in another arithmetic
+      return [r['method'] == method and r['seed'] == seed and (
+          r['iteration'] > start or (r['iteration'] == start and k['numerics'] != self.meta['numerics']))
+              for r, k in zip(rows, with_numerics(rows))]
+    if any(stale(self.rows)):          # made again
       # re-read first: another process may share the workdir (one cell list per core)
       rows = read_rows(self.rows_path)
+      drop = stale(rows)
       print(f'{method} seed {seed}: resumes at {start}; dropping its rows at '
-            f'{sorted(r["iteration"] for r in rows if is_stale(r))}', flush=True)
-      self.rows = [r for r in rows if not is_stale(r)]
+            f'{sorted(r["iteration"] for r, d in zip(rows, drop) if d)}', flush=True)
+      self.rows = [r for r, d in zip(rows, drop) if not d]
       write_rows(self.rows_path, self.rows)
     trainer._build()  # pylint: disable=protected-access
     previous = [r for r in self.rows if r['method'] == method and r['seed'] == seed
@@ -953,13 +958,14 @@ def gain(bases, row, key='ocr_heldout'):
 
 def numerics_note(rows):
   """Text naming, where rows come from machines of more than one arithmetic, each kind's base reading
-  and its cells (method:seed), and how they are compared."""
+  and its cells (method:seed, by the arithmetic of its last evaluation), and how they are compared."""
   rows = with_numerics(rows)
   bases = bases_by_numerics(rows)
   kinds = collections.defaultdict(set)
-  for r in rows:
-    if r['method'] != 'base':
-      kinds[r['numerics']].add(f"{r['method']}:{r['seed']}")
+  for method, seeds in by_cell(rows).items():
+    for seed, evals in seeds.items():
+      if method != 'base':     # a cell counts where its last evaluation was made
+        kinds[evals[max(evals)]['numerics']].add(f'{method}:{seed}')
   if len(set(kinds) | set(bases)) <= 1:
     return ''
   parts = []

@@ -459,7 +459,8 @@ def test_rows_from_another_machine_arithmetic_are_compared_to_their_own_base(tmp
 def test_each_machine_instance_evaluates_the_base_once_and_rows_record_its_arithmetic(
     tmp_path, fake_cells, monkeypatch):
   """A workdir moved to another machine instance: its base is evaluated again there (its row is kept
-  beside the first machine's), and the rows made there record that machine's arithmetic."""
+  beside the first machine's), the rows made there record that machine's arithmetic, and a cell that
+  restarts from scratch there re-makes its iteration-0 row where the arithmetic differs."""
   work, out = tmp_path / 'work', tmp_path / 'out'
   out.mkdir()
   argv = ['--iterations=1', '--eval_every=1', '--prompts=1', '--per_prompt=2', f'--workdir={work}',
@@ -468,14 +469,28 @@ def test_each_machine_instance_evaluates_the_base_once_and_rows_record_its_arith
   del fake_cells[:]
   ocr_table.main(argv + ['--cells=ddrl:0,1'])
   assert [c for c in fake_cells if c[0] == 'eval' and c[1] == 'base'] == []     # same instance: once
+  del fake_cells[:]
+  args = ocr_table.parse_args(argv + ['--cells=ddrl:3', '--budget_minutes=0.0001'])
+  ocr_table.Runner(args, {}).run(ocr_table.parse_cells(args.cells))   # cut after its iteration-0 row
   monkeypatch.setattr(ocr_table, 'boot_id', lambda: 'another machine')
-  ocr_table.main(argv + ['--cells=ddrl:0,1,2'])
+  ocr_table.main(argv + ['--cells=ddrl:0,1,2'])      # the same arithmetic: nothing is made again
+  assert [c[1] for c in fake_cells if c[0] == 'eval'] == ['ddrl/seed3', 'base', 'ddrl/seed2', 'ddrl/seed2']
   rows = ocr_table.read_rows(work / 'evaluations.jsonl')
   bases = [r for r in rows if r['method'] == 'base']
   assert [r['boot_id'] == 'another machine' for r in bases] == [False, True]
   kind = ocr_table.numerics_of(bases[-1])
   assert [r['numerics'] for r in rows if r['seed'] == 2] == [kind, kind]
   assert all('numerics' in r for r in rows if r['method'] != 'base')
+  evaluate = ocr_table.evaluate_lib.evaluate_ocr                   # a third machine, other arithmetic
+  monkeypatch.setattr(ocr_table.evaluate_lib, 'evaluate_ocr', lambda *a, **k: (
+      lambda m, g, st: (dict(m, ocr_heldout=m['ocr_heldout'] + 1e-3), g, st))(*evaluate(*a, **k)))
+  monkeypatch.setattr(ocr_table, 'boot_id', lambda: 'a third machine')
+  del fake_cells[:]
+  ocr_table.main(argv + ['--cells=ddrl:3'])
+  assert [c[1:] for c in fake_cells if c[0] == 'eval'] == [('base', 0), ('ddrl/seed3', 0), ('ddrl/seed3', 1)]
+  seed3 = [r for r in ocr_table.read_rows(work / 'evaluations.jsonl') if r['seed'] == 3]
+  assert [(r['iteration'], r['boot_id']) for r in seed3] == [(0, 'a third machine'), (1, 'a third machine')]
+  assert ocr_table.numerics_note(ocr_table.read_rows(work / 'evaluations.jsonl')).count('ddrl:3') == 1
 
 
 def test_cells_can_be_read_as_the_mean_of_their_last_evaluations(tmp_path, capsys):
