@@ -944,10 +944,8 @@ def bases_by_numerics(rows):
 
 
 def base_for(bases, row):
-  """The base row of `row`'s machine arithmetic (the first kind's where its own has none); None
-  without a base row."""
-  if not bases:
-    return None
+  """The base row of `row`'s machine arithmetic (the first kind's where its own has none); `bases`
+  (`bases_by_numerics`) must not be empty."""
   return bases.get(row.get('numerics'), next(iter(bases.values())))
 
 
@@ -1016,7 +1014,7 @@ def average_last(rows, iteration, evaluations):
   out = []
   for r in rows:
     evals = cells[r['method']][r['seed']]
-    window = sorted(i for i in evals if i <= r['iteration'])[-evaluations:]
+    window = sorted(i for i in evals if i <= iteration)[-evaluations:]
     if r['method'] == 'base' or r['iteration'] != iteration or len(window) < evaluations:
       out.append(r)
       continue
