@@ -576,6 +576,10 @@ CONTRAST_KEYS = (
     ('diversity', 'diversity', '.2f'),
     ('patch_grid_energy', 'patch-grid energy', '.3f'),
     ('colour_spread', 'colour spread', '.2f'),
+    ('style_drift', 'drift to data', '.2f'),
+    ('typicality', 'typicality', '.4f'),
+    ('typicality_outside', 'outside typical range', '.2f'),
+    ('fd_recognizer', 'FD recognizer', '.2f'),
 )
 
 
@@ -602,8 +606,9 @@ def contrasts(rows, reference='ddrl'):
   cells, bases = by_cell(rows), bases_by_numerics(rows)
   if reference not in cells or not bases:
     return ''
-  head = ['method', 'iteration', 'seeds (DDRL, method)', 'DDRL gain / method gain (Tesseract)'] + [
-      f'DDRL - method: {title}' for _, title, _ in CONTRAST_KEYS]
+  name = LABELS.get(reference, reference)
+  head = ['method', 'iteration', f'seeds ({name}, method)', f'{name} gain / method gain (Tesseract)'] + [
+      f'{name} - method: {title}' for _, title, _ in CONTRAST_KEYS]
   lines = markdown_head(head)
   for method, seeds in cells.items():
     if method in ('base', reference):
@@ -617,7 +622,12 @@ def contrasts(rows, reference='ddrl'):
     rows_m = [evals[it] for evals in seeds.values()]
     gain_ref = np.mean([gain(bases, r) for r in ref_rows])
     gain_m = np.mean([gain(bases, r) for r in rows_m])
-    share = f'{gain_ref / gain_m:.0%}' if gain_m > 0 else f'(method gain {gain_m:+.3f})'
+    if gain_m <= 0:
+      share = f'(method gain {gain_m:+.3f})'
+    elif gain_ref <= 0:
+      share = f'({name} gain {gain_ref:+.3f})'
+    else:
+      share = f'{gain_ref / gain_m:.0%}'
     texts = []
     for key, _, fmt in CONTRAST_KEYS:
       a = [r[key] for r in ref_rows if key in r]
@@ -1026,7 +1036,7 @@ def average_last(rows, iteration, evaluations):
 
 
 def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl', iteration=None,
-           evaluations=1):
+           evaluations=1, contrast_reference='ddrl'):
   """Writes <out>/<name>.jsonl (every row) and the plots; prints the tables. `levels`: the matched-OCR
   levels of the sweeps' comparison; `reference`: the cell whose final OCR the along-training comparison
   matches; `iteration`: the planned last iteration. Where it is given, a seed still short of it is left
@@ -1034,7 +1044,8 @@ def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl',
   not pull its method back to iteration 0), and the left-out seeds are listed; a setting with no seed
   there is left out of the frontiers, so a running cell is not drawn as a point. `evaluations` > 1 reads
   every cell at `iteration` as the mean of its last that many evaluations (`average_last`) in the
-  tables, frontiers and knees (the along-training plot and match keep every evaluation)."""
+  tables, frontiers and knees (the along-training plot and match keep every evaluation);
+  `contrast_reference`: the cell the contrasts table subtracts every other cell from."""
   rows = with_numerics(rows)
   write_rows(os.path.join(out, f'{name}.jsonl'), rows)
   running = []
@@ -1048,7 +1059,7 @@ def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl',
     print()
   print(table(at_end))
   print()
-  print(contrasts(at_end))
+  print(contrasts(at_end, contrast_reference))
   print()
   print(at_matched_reward(rows, reference))
   if sweeps(list(by_cell(rows))):
@@ -1094,6 +1105,8 @@ def parse_args(argv=None):
                  help='Tesseract OCR levels of the matched comparison of the sweeps (comma-separated)')
   p.add_argument('--matched_reference', default='ddrl',
                  help='the cell whose last OCR every cell is compared at, along training')
+  p.add_argument('--contrast_reference', default='ddrl',
+                 help='the cell the contrasts table compares every other cell with (reference - cell)')
   p.add_argument('--knees', default='', help="the shifted plan's 'data_beta,kl_beta' (see shifted_plan)")
   p.add_argument('--average_last', type=int, default=1,
                  help="the report's tables read each cell at --iterations as the mean of its last N "
@@ -1136,7 +1149,7 @@ def main(argv=None):
     runner.run(cells)
   wanted = set(cells) | {('base', 0)}
   report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out, args.name,
-         args.levels, args.matched_reference, args.iterations, args.average_last)
+         args.levels, args.matched_reference, args.iterations, args.average_last, args.contrast_reference)
 
 
 if __name__ == '__main__':

@@ -266,6 +266,35 @@ def test_contrasts_against_ddrl():
   assert ocr_table.contrasts([r for r in rows if r['method'] != 'ddrl']) == ''
 
 
+def test_contrasts_against_a_named_cell_with_the_judges(tmp_path, capsys):
+  """--contrast_reference names the cell the contrasts subtract from (the shifted-base arms have no plain
+  'ddrl'); the judges (drift to data, typicality, FD) are contrasted too."""
+  ref, other = 'ddrl@rl.data_beta=0.1', 'flow_grpo_exact_kl@rl.kl_beta=0.01'
+  rows = [_row('base', 0, 0, 0.75, style_drift=9.8, typicality=0.036, fd_recognizer=8.0)]
+  rows += [_row(ref, s, 200, 0.1 + 0.01 * s, style_drift=120.0 + s, typicality=0.06, fd_recognizer=50.0)
+           for s in range(3)]
+  rows += [_row(other, s, 200, 0.8 + 0.01 * s, style_drift=10.0 + s, typicality=0.036, fd_recognizer=8.5)
+           for s in range(3)]
+  work, out = tmp_path / 'work', tmp_path / 'out'
+  work.mkdir()
+  out.mkdir()
+  ocr_table.write_rows(str(work / 'evaluations.jsonl'), rows)
+  ocr_table.main(['--report', f'--workdir={work}', f'--out={out}', f'--cells={ref}:0,1,2;{other}:0,1,2',
+                  f'--contrast_reference={ref}', f'--matched_reference={ref}'])
+  lines = capsys.readouterr().out.splitlines()
+  head = next(l for l in lines if l.startswith('| method | iteration | seeds ('))
+  assert f'{ref} - method: drift to data' in head and f'{ref} - method: FD recognizer' in head
+  cells = lambda line: [c.strip() for c in line.strip('|').split('|')]
+  row, titles = cells(next(l for l in lines if l.startswith(f'| {other} | 200 | 3, 3 |'))), cells(head)
+  # equal spreads on both sides: the differences are exact, Welch's half-width that of sd 1 (drift)
+  assert row[titles.index(f'{ref} - method: Tesseract')] == '-0.700 ± 0.023'
+  assert row[titles.index(f'{ref} - method: drift to data')] == '+110.00 ± 2.27'
+  assert row[titles.index(f'{ref} - method: typicality')] == '+0.0240 ± 0.0000'
+  assert row[titles.index(f'{ref} - method: FD recognizer')].startswith('+41.50')
+  # the other cell's OCR rose from the base's 0.75 by 0.06 and DDRL's fell: no share, DDRL's gain
+  assert row[titles.index(f'{ref} gain / method gain (Tesseract)')] == f'({ref} gain -0.640)'
+
+
 def test_methods_are_compared_where_they_reach_ddrls_reward():
   rows = [_row('base', 0, 0, 0.25, style_drift_from_reference=0.0)]
   for s in range(2):
