@@ -113,6 +113,10 @@ def pretrain(config, workdir, progress=True):
   Data parallel over every device of every process: the state is replicated, each process feeds its
   rows of each batch, and process 0 writes metrics, grids and the export's log."""
   c = config.pretrain
+  if not 0 <= c.warmup_steps < c.steps:
+    raise cli.UsageError(
+        f'config.pretrain.warmup_steps={c.warmup_steps} with config.pretrain.steps={c.steps}: the '
+        'cosine decay needs 0 <= warmup_steps < steps', 'lower warmup_steps or raise steps')
   task = tasks.get_task(config)
   task.require('pretrain')
   mesh = parallel.make_mesh(config.mesh, jax.devices())

@@ -62,6 +62,15 @@ def test_pretrain_init_from_a_missing_export_is_a_clear_error(tmp_path):
     pretrain.pretrain(tiny_config(init_from=str(tmp_path / 'nope')), tmp_path / 'x', progress=False)
 
 
+def test_pretrain_warmup_not_shorter_than_the_run_is_a_clear_error(tmp_path):
+  """optax's cosine decay would fail with 'positive decay_steps'; the error names both settings."""
+  from ddrl_jax import cli  # pylint: disable=g-import-not-at-top
+  for steps, warmup in ((100, 100), (4, 9), (4, -1)):
+    with pytest.raises(cli.UsageError, match=f'warmup_steps={warmup} with config.pretrain.steps={steps}'):
+      pretrain.pretrain(tiny_config(steps=steps, warmup_steps=warmup), tmp_path / 'x', progress=False)
+  assert not os.path.exists(tmp_path / 'x')        # refused before anything is written
+
+
 def test_pretrain_style_dark_text_forces_the_polarity_and_keeps_the_stream():
   """config.ocr.pretrain_style='dark_text' (the shifted base's data): every render has dark ink on a light
   background; renders that were dark-on-light in 'all' are bit-equal (same random numbers)."""
