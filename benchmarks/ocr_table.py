@@ -1139,6 +1139,10 @@ def main(argv=None):
     print(shifted_plan(*args.knees) if args.print_plan == 'shifted' else PLANS[args.print_plan])
     return
   cells = parse_cells(args.cells)
+  methods = {m for m, _ in cells}
+  if args.contrast_reference != 'ddrl' and args.contrast_reference not in methods:
+    raise SystemExit(f'--contrast_reference={args.contrast_reference!r} is not one of the --cells '
+                     f'methods: {sorted(methods)}')
   parse_overrides(args.base)
   meta = dict(date=time.strftime('%Y-%m-%d'), machine=f'{platform.machine()} {os.cpu_count()} cores',
               command=' '.join(['python'] + sys.argv))

@@ -293,6 +293,9 @@ def test_contrasts_against_a_named_cell_with_the_judges(tmp_path, capsys):
   assert row[titles.index(f'{ref} - method: FD recognizer')].startswith('+41.50')
   # the other cell's OCR rose from the base's 0.75 by 0.06 and DDRL's fell: no share, DDRL's gain
   assert row[titles.index(f'{ref} gain / method gain (Tesseract)')] == f'({ref} gain -0.640)'
+  with pytest.raises(SystemExit, match='not one of the --cells'):          # a typo is not an empty table
+    ocr_table.main(['--report', f'--workdir={work}', f'--out={out}', f'--cells={ref}:0,1,2',
+                    '--contrast_reference=ddrl@rl.data_beta=0.01'])
 
 
 def test_methods_are_compared_where_they_reach_ddrls_reward():
