@@ -1105,8 +1105,9 @@ def parse_args(argv=None):
                  help='Tesseract OCR levels of the matched comparison of the sweeps (comma-separated)')
   p.add_argument('--matched_reference', default='ddrl',
                  help='the cell whose last OCR every cell is compared at, along training')
-  p.add_argument('--contrast_reference', default='ddrl',
-                 help='the cell the contrasts table compares every other cell with (reference - cell)')
+  p.add_argument('--contrast_reference', default=None,
+                 help="the cell the contrasts table compares every other cell with (reference - cell); "
+                      "default 'ddrl' where it is one of the cells")
   p.add_argument('--knees', default='', help="the shifted plan's 'data_beta,kl_beta' (see shifted_plan)")
   p.add_argument('--average_last', type=int, default=1,
                  help="the report's tables read each cell at --iterations as the mean of its last N "
@@ -1139,10 +1140,10 @@ def main(argv=None):
     print(shifted_plan(*args.knees) if args.print_plan == 'shifted' else PLANS[args.print_plan])
     return
   cells = parse_cells(args.cells)
-  methods = {m for m, _ in cells}
-  if args.contrast_reference != 'ddrl' and args.contrast_reference not in methods:
+  methods = sorted({m for m, _ in cells})
+  if args.contrast_reference is not None and args.contrast_reference not in methods:
     raise SystemExit(f'--contrast_reference={args.contrast_reference!r} is not one of the --cells '
-                     f'methods: {sorted(methods)}')
+                     f'methods: {methods}')
   parse_overrides(args.base)
   meta = dict(date=time.strftime('%Y-%m-%d'), machine=f'{platform.machine()} {os.cpu_count()} cores',
               command=' '.join(['python'] + sys.argv))
@@ -1153,7 +1154,7 @@ def main(argv=None):
     runner.run(cells)
   wanted = set(cells) | {('base', 0)}
   report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out, args.name,
-         args.levels, args.matched_reference, args.iterations, args.average_last, args.contrast_reference)
+         args.levels, args.matched_reference, args.iterations, args.average_last, args.contrast_reference or 'ddrl')
 
 
 if __name__ == '__main__':
