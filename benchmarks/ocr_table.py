@@ -48,6 +48,8 @@ not counted). An evaluation this machine already made of the same parameters and
 Outputs in --out (benchmarks/): ocr_methods.jsonl (every evaluation, with command, date and machine),
 ocr_methods.png (held-out OCR against drift from the base, and Tesseract against RapidOCR, over
 training; means over seeds), ocr_methods_<method>.png (samples of the first seed at its last evaluation),
+ocr_methods_arms.png (the base and every method side by side: one sample of each of 8 held-out strings,
+first seed, last evaluation up to --iterations, from the samples kept in the workdir),
 and on stdout three markdown tables: mean and 95% t-interval over seeds at each method's last common
 iteration (seeds still short of --iterations are left out, and listed, once another seed of the method
 reached it); DDRL minus every other method (Welch 95% intervals) with DDRL's share of its OCR gain; and
@@ -1081,6 +1083,40 @@ def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl',
     print(note)
 
 
+def spread_prompts(texts, columns):
+  """Indices of the first sample of `columns` distinct texts spread evenly over the distinct texts in
+  their order (all of them when there are fewer)."""
+  first = {}
+  for i, text in enumerate(texts):
+    first.setdefault(text, i)
+  first = list(first.values())
+  if len(first) <= columns:
+    return first
+  return [first[int(j)] for j in np.linspace(0, len(first) - 1, columns).round()]
+
+
+def arms_samples(rows, samples_path, methods, iteration, columns=8):
+  """[(label, (<=columns, H, W, 3) uint8)] for the base and each of `methods`, in that order: one sample
+  of each of `columns` held-out strings (the same strings in every row), from the first seed's last
+  evaluation at or before `iteration` whose samples `samples_path(method, seed, iteration)` holds. A
+  method with none on disk is left out and named on stdout."""
+  strips, missing = [], []
+  for method in ['base'] + [m for m in methods if m != 'base']:
+    kept = sorted((r['seed'], -r['iteration']) for r in rows
+                  if r['method'] == method and r['iteration'] <= iteration
+                  and os.path.exists(samples_path(method, r['seed'], r['iteration'])))
+    if not kept:
+      missing.append(method)
+      continue
+    seed = kept[0][0]
+    last = -kept[0][1]
+    images, texts = evaluate_lib.load_samples(samples_path(method, seed, last))
+    strips.append((f'{method} (seed {seed}, iteration {last})', images[spread_prompts(texts, columns)]))
+  if missing:
+    print(f'arms grid: no samples on disk for {", ".join(missing)}')
+  return strips
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--iterations', type=int, default=200)
@@ -1155,6 +1191,10 @@ def main(argv=None):
   wanted = set(cells) | {('base', 0)}
   report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out, args.name,
          args.levels, args.matched_reference, args.iterations, args.average_last, args.contrast_reference or 'ddrl')
+  strips = arms_samples(runner.rows, runner.samples_path, list(dict.fromkeys(m for m, _ in cells)),
+                        args.iterations)
+  if strips:
+    image_grid.write_labelled_rows(os.path.join(args.out, f'{args.name}_arms.png'), strips)
 
 
 if __name__ == '__main__':

@@ -18,3 +18,32 @@ def write_grid(path, images_u8, columns=8):
   buffer = io.BytesIO()
   Image.fromarray(grid).save(buffer, format='PNG')
   storage.write_bytes(str(path), buffer.getvalue())
+
+
+def labelled_rows(rows, caption_height=14):
+  """[(label, (N_i, H, W, 3) uint8)] -> one (R * (caption_height + H + 2), max(N_i) * (W + 2), 3) uint8
+  image: each row its label on a white band above its images, left to right."""
+  from PIL import Image, ImageDraw  # pylint: disable=g-import-not-at-top
+  if not rows:
+    raise ValueError('labelled_rows needs at least one row')
+  h, w = rows[0][1].shape[1:3]
+  if any(images.shape[1:] != (h, w, 3) for _, images in rows):
+    raise ValueError(f'every row needs (N, {h}, {w}, 3) images; got '
+                     f'{[images.shape for _, images in rows]}')
+  band = caption_height + h + 2
+  canvas = Image.new('RGB', (max(len(images) for _, images in rows) * (w + 2), len(rows) * band),
+                     'white')
+  draw = ImageDraw.Draw(canvas)
+  for r, (label, images) in enumerate(rows):
+    draw.text((2, r * band + 1), label, fill='black')
+    for c, img in enumerate(images):
+      canvas.paste(Image.fromarray(np.asarray(img, np.uint8)), (c * (w + 2), r * band + caption_height))
+  return np.asarray(canvas)
+
+
+def write_labelled_rows(path, rows, caption_height=14):
+  """`labelled_rows(rows)` as a PNG at `path` (local or a bucket URL)."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  buffer = io.BytesIO()
+  Image.fromarray(labelled_rows(rows, caption_height)).save(buffer, format='PNG')
+  storage.write_bytes(str(path), buffer.getvalue())

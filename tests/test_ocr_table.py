@@ -176,7 +176,8 @@ def test_cells_run_seed_major_and_resume_where_they_stopped(tmp_path, fake_cells
   assert trained == [('ddrl/seed0', 0), ('ddrl/seed0', 1), ('dance_grpo/seed0', 0),
                      ('dance_grpo/seed0', 1), ('ddrl/seed1', 0), ('ddrl/seed1', 1)]
   assert sorted(p.name for p in out.glob('*.png')) == [
-      'ocr_methods.png', 'ocr_methods_base.png', 'ocr_methods_dance_grpo.png', 'ocr_methods_ddrl.png']
+      'ocr_methods.png', 'ocr_methods_arms.png', 'ocr_methods_base.png', 'ocr_methods_dance_grpo.png',
+      'ocr_methods_ddrl.png']
 
 
 def test_a_new_machine_starts_from_the_committed_rows(tmp_path, fake_cells, capsys):
@@ -365,6 +366,10 @@ def test_a_run_with_overrides_a_shifted_base_and_judges_then_rejudges(tmp_path, 
   assert images.shape == (2, 4, 4, 3) and texts == ['T', 'T']
   assert (work / 'base' / 'samples' / 'it0000.npz').exists()
   assert (out / 'pareto.jsonl').exists() and (out / 'pareto_ddrl__rl.data_beta=0.3.png').exists()
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  arms = np.asarray(Image.open(out / 'pareto_arms.png'))     # base, then the cell at iteration 2
+  assert arms.shape == (2 * (14 + 4 + 2), 4 + 2, 3)
+  assert (arms[14:18, :4] == 0).all() and (arms[20 + 14:20 + 18, :4] == 2).all()
   judges['typicality'] = lambda images: float(images.max()) + 1.0
   ocr_table.main(argv + ['--rejudge'])
   rows = ocr_table.read_rows(os.path.join(work, 'evaluations.jsonl'))
@@ -625,3 +630,47 @@ def test_report_levels_and_matched_reference(tmp_path, capsys):
   with pytest.raises(SystemExit):
     ocr_table.parse_args(['--judge_renders=1'])
   assert ocr_table.parse_args([]).judge_renders == 1024      # the recorded experiments' references
+
+
+def test_spread_prompts_takes_the_first_sample_of_evenly_spread_strings():
+  texts = ['a', 'a', 'b', 'b', 'c', 'c', 'd', 'd']
+  assert ocr_table.spread_prompts(texts, 2) == [0, 6]
+  assert ocr_table.spread_prompts(texts, 3) == [0, 4, 6]       # the strings at linspace(0, 3, 3).round()
+  assert ocr_table.spread_prompts(texts, 8) == [0, 2, 4, 6]
+
+
+def test_arms_samples_pick_the_first_seeds_last_evaluation_on_disk(tmp_path, capsys):
+  """The base first, then the methods in the order given; the first seed with samples on disk, at its
+  last evaluation at or before the iteration; the same strings in every row; a method with no samples
+  on disk is named, not drawn."""
+  def path(method, seed, iteration):
+    return str(tmp_path / method / f'seed{seed}' / f'it{iteration:04d}.npz')
+
+  texts = [t for t in 'abcd' for _ in range(2)]
+  rows = [_row('base', 0, 0, 0.2)]
+  saved = {('base', 0, 0), ('m', 1, 0), ('m', 1, 2), ('m', 1, 4), ('m', 2, 2)}
+  for method, seed, iteration in saved:
+    images = np.full((8, 2, 3, 3), 10 * seed + iteration, np.uint8)
+    images[:, 0, 0, 0] = np.arange(8)                       # which sample it was
+    ocr_table.evaluate_lib.save_samples(path(method, seed, iteration), images, texts)
+  for seed, iteration in ((0, 2), (1, 0), (1, 2), (1, 4), (2, 2)):   # seed 0's samples are not on disk
+    rows.append(_row('m', seed, iteration, 0.3))
+  rows.append(_row('n', 0, 2, 0.3))
+  strips = ocr_table.arms_samples(rows, path, ['m', 'n'], iteration=3, columns=2)
+  assert [label for label, _ in strips] == ['base (seed 0, iteration 0)', 'm (seed 1, iteration 2)']
+  assert [s[:, 0, 0, 0].tolist() for _, s in strips] == [[0, 6], [0, 6]]      # strings a and d
+  assert strips[1][1][0, 1, 1, 1] == 12
+  assert 'no samples on disk for n' in capsys.readouterr().out
+
+
+def test_labelled_rows_place_each_image_under_its_caption():
+  from ddrl_jax import image_grid  # pylint: disable=g-import-not-at-top
+  one = np.full((1, 4, 5, 3), 7, np.uint8)
+  three = np.full((3, 4, 5, 3), 9, np.uint8)
+  grid = image_grid.labelled_rows([('one', one), ('three', three)], caption_height=14)
+  assert grid.shape == (2 * (14 + 4 + 2), 3 * (5 + 2), 3)
+  assert (grid[14:18, :5] == 7).all() and (grid[14:18, 7:] == 255).all()    # the short row is padded
+  assert all((grid[20 + 14:20 + 18, c * 7:c * 7 + 5] == 9).all() for c in range(3))
+  assert (grid[:14] < 255).any()                                            # a caption was drawn
+  with pytest.raises(ValueError, match='every row needs'):
+    image_grid.labelled_rows([('a', one), ('b', np.zeros((1, 4, 6, 3), np.uint8))])
