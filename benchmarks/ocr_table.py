@@ -1102,14 +1102,13 @@ def arms_samples(rows, samples_path, methods, iteration, columns=8):
   method with none on disk is left out and named on stdout."""
   strips, missing = [], []
   for method in ['base'] + [m for m in methods if m != 'base']:
-    kept = sorted((r['seed'], -r['iteration']) for r in rows
-                  if r['method'] == method and r['iteration'] <= iteration
-                  and os.path.exists(samples_path(method, r['seed'], r['iteration'])))
+    kept = [r for r in rows if r['method'] == method and r['iteration'] <= iteration
+            and os.path.exists(samples_path(method, r['seed'], r['iteration']))]
     if not kept:
       missing.append(method)
       continue
-    seed = kept[0][0]
-    last = -kept[0][1]
+    shown = min(kept, key=lambda r: (r['seed'], -r['iteration']))   # first seed, its last evaluation
+    seed, last = shown['seed'], shown['iteration']
     images, texts = evaluate_lib.load_samples(samples_path(method, seed, last))
     strips.append((f'{method} (seed {seed}, iteration {last})', images[spread_prompts(texts, columns)]))
   if missing:
@@ -1176,7 +1175,7 @@ def main(argv=None):
     print(shifted_plan(*args.knees) if args.print_plan == 'shifted' else PLANS[args.print_plan])
     return
   cells = parse_cells(args.cells)
-  methods = sorted({m for m, _ in cells})
+  methods = list(dict.fromkeys(m for m, _ in cells))   # in the order of --cells
   if args.contrast_reference is not None and args.contrast_reference not in methods:
     raise SystemExit(f'--contrast_reference={args.contrast_reference!r} is not one of the --cells '
                      f'methods: {methods}')
@@ -1191,8 +1190,7 @@ def main(argv=None):
   wanted = set(cells) | {('base', 0)}
   report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out, args.name,
          args.levels, args.matched_reference, args.iterations, args.average_last, args.contrast_reference or 'ddrl')
-  strips = arms_samples(runner.rows, runner.samples_path, list(dict.fromkeys(m for m, _ in cells)),
-                        args.iterations)
+  strips = arms_samples(runner.rows, runner.samples_path, methods, args.iterations)
   if strips:
     image_grid.write_labelled_rows(os.path.join(args.out, f'{args.name}_arms.png'), strips)
 

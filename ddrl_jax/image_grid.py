@@ -8,15 +8,20 @@ from ddrl_jax import storage
 
 def write_grid(path, images_u8, columns=8):
   """(M, H, W, 3) uint8 -> one PNG grid at `path` (local or a bucket URL)."""
-  from PIL import Image  # pylint: disable=g-import-not-at-top
   m, h, w, _ = images_u8.shape
   rows = -(-m // columns)
   grid = np.full((rows * (h + 2), columns * (w + 2), 3), 255, np.uint8)
   for i, img in enumerate(images_u8):
     r, col = divmod(i, columns)
     grid[r * (h + 2):r * (h + 2) + h, col * (w + 2):col * (w + 2) + w] = img
+  _write_png(path, grid)
+
+
+def _write_png(path, image_u8):
+  """(H, W, 3) uint8 -> a PNG at `path` (local or a bucket URL)."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
   buffer = io.BytesIO()
-  Image.fromarray(grid).save(buffer, format='PNG')
+  Image.fromarray(image_u8).save(buffer, format='PNG')
   storage.write_bytes(str(path), buffer.getvalue())
 
 
@@ -43,7 +48,4 @@ def labelled_rows(rows, caption_height=14):
 
 def write_labelled_rows(path, rows, caption_height=14):
   """`labelled_rows(rows)` as a PNG at `path` (local or a bucket URL)."""
-  from PIL import Image  # pylint: disable=g-import-not-at-top
-  buffer = io.BytesIO()
-  Image.fromarray(labelled_rows(rows, caption_height)).save(buffer, format='PNG')
-  storage.write_bytes(str(path), buffer.getvalue())
+  _write_png(path, labelled_rows(rows, caption_height))
