@@ -16,6 +16,11 @@ config's shapes: nothing is allocated and no weights are needed. For each functi
   peak_bytes), flops (cost_analysis: XLA counts a scan body once, so this is far below the real count),
   analytic_flops (the model family's forward_flops x the function's network passes, per chip), compile_s.
 
+Each row's `attention` lists the attention kernels the lowered program really contains
+(models.attention.program_kernels: 'splash', 'cudnn', 'xla', and 'xla_short' for sequences under
+min_flash_len) and `attention_family` the kernel the model family names for the target platform; a
+function whose long-sequence attention is anything else stops the run before its compile (exit 1).
+
 Exits 1 when a function's peak does not fit the chip's HBM (or `--margin` of it). The compile options of
 LIBTPU_INIT_ARGS apply as in a real run (set the variable before starting).
 """
@@ -44,6 +49,10 @@ from ddrl_jax.rl import algorithms
 from ddrl_jax.parallel import topology as topology_lib
 
 FUNCTIONS = ('rollout', 'data_grads', 'update')
+
+
+class KernelMismatch(ValueError):
+  """A lowered function's attention is not the kernel its family names for the target platform."""
 
 
 def _define_flags():
@@ -157,9 +166,13 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
   kernel = family.attention_kernel(platform)
   for name in fns:
     t0 = time.perf_counter()
-    # '' / 'auto' attention kernels resolve for the target (this host's backend would pick 'xla').
-    with attention_lib.target_platform(platform):
-      lowered = getattr(step_fns, name).lower(*args[name])
+    lowered = getattr(step_fns, name).lower(*args[name])
+    text = lowered.as_text(debug_info=True)
+    problems = attention_lib.check_program(text, kernel, platform)
+    if problems:
+      raise KernelMismatch(f'{name} lowered for {topology}: ' + '; '.join(problems))
+    found = attention_lib.program_kernels(text)
+    del text
     try:
       compiled = lowered.compile(compiler_options or None)
     except jax.errors.JaxRuntimeError as e:
@@ -167,6 +180,7 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
         raise
       # The compiler's out-of-memory verdict for the target (MaxText's is_oom): a result, not a crash.
       yield dict(fn=name, topology=topology, num_slices=num_slices, mesh=dict(mesh.shape), hbm_bytes=hbm,
+                 attention=found, attention_family=kernel,
                  fits=False, error=str(e).splitlines()[0][:500],
                  compile_s=round(time.perf_counter() - t0, 2))
       continue
@@ -183,7 +197,7 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
     peak = max(per_chip, resident + mem.output_size_in_bytes - mem.alias_size_in_bytes
                + mem.temp_size_in_bytes)
     row = dict(fn=name, topology=topology, num_slices=num_slices, mesh=dict(mesh.shape),
-               attention=kernel,
+               attention=found, attention_family=kernel,
                context_impl=plan.context_impl,
                per_chip_bytes=int(per_chip), resident_bytes=int(resident), peak_bytes=int(peak),
                argument_bytes=int(mem.argument_size_in_bytes),
@@ -211,15 +225,19 @@ def main(argv):
   distributed.initialize(distributed.options_from_flags())   # the compilation cache; a no-op alone
   failed = []
   out = open(_OUT.value, 'a') if _OUT.value else None
-  for row in compile_report(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _FNS.value):
-    line = json.dumps(row)
-    print(line, flush=True)
-    if out:
-      out.write(line + '\n')
-      out.flush()
-    hbm = row['hbm_bytes']
-    if hbm and (not row['fits'] or row['peak_bytes'] > (1 - _MARGIN.value) * hbm):
-      failed.append(row['fn'])
+  try:
+    for row in compile_report(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _FNS.value):
+      line = json.dumps(row)
+      print(line, flush=True)
+      if out:
+        out.write(line + '\n')
+        out.flush()
+      hbm = row['hbm_bytes']
+      if hbm and (not row['fits'] or row['peak_bytes'] > (1 - _MARGIN.value) * hbm):
+        failed.append(row['fn'])
+  except KernelMismatch as e:     # a wrong memory figure is worse than none: no row, exit 1
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(1)
   if failed:
     print(f'does not fit {_TOPOLOGY.value} (HBM {row["hbm_bytes"] / 2**30:.1f} GiB per chip, margin '
           f'{_MARGIN.value}): {failed}', file=sys.stderr)

@@ -2,16 +2,34 @@
 8 fake CPU devices (the CI path) and, where libtpu is installed, for a real TPU topology (compile only)."""
 import importlib.util
 
+import jax
 import pytest
 
 from configs import cosmos2b
 from ddrl_jax import aot
+from ddrl_jax import parallel
+from ddrl_jax import tasks
+from ddrl_jax.models import attention
+from ddrl_jax.models import family as family_lib
+from ddrl_jax.parallel import topology
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                                  reason="needs libtpu for compile-only TPU devices: pip install -e '.[aot]'")
 
 
-def _rows(mesh, topology='cpu-8', fns=('update',)):
+def _config(mesh, long_attention=False):
   config = cosmos2b.get_config('smoke')
   config.mesh.update(mesh)
-  return {r['fn']: r for r in aot.compile_report(config, topology, fns=fns)}
+  if long_attention:
+    # The smoke video has 8 tokens: from 8 tokens on, self-attention takes the configured kernel, while
+    # the 4 text tokens of the cross-attention stay on 'xla' (as the 512 of the real model do).
+    config.cosmos.attention.min_flash_len = 8
+    config.cosmos.text_length = 4
+  return config
+
+
+def _rows(mesh, topology='cpu-8', fns=('update',), long_attention=False):
+  return {r['fn']: r for r in aot.compile_report(_config(mesh, long_attention), topology, fns=fns)}
 
 
 def test_cpu_compile_reports_memory_and_fsdp_shrinks_the_state():
@@ -41,13 +59,64 @@ def test_network_passes_count_the_iteration():
   assert aot.network_passes(c, 'data_grads', 'full') == 4
 
 
+def test_rows_name_the_kernels_their_programs_contain():
+  """On cpu-8 the configs' '' kernel is 'xla': the self-attention runs it, the text cross-attention its
+  short-sequence fallback; the smoke's default min_flash_len leaves only the fallback."""
+  long = _rows(dict(data=2, fsdp=2, context=2), fns=('rollout',), long_attention=True)['rollout']
+  assert long['attention'] == ['xla', 'xla_short'] and long['attention_family'] == 'xla'
+  short = _rows(dict(data=2, fsdp=2, context=2), fns=('rollout',))['rollout']
+  assert short['attention'] == ['xla_short']
+
+
+def test_a_program_without_the_family_kernel_is_refused_before_compiling(monkeypatch):
+  """A family that names 'splash' where the traced program runs 'xla' stops the report (no row)."""
+  monkeypatch.setattr(family_lib.SectionFamily, 'attention_kernel', lambda self, platform: 'splash')
+  with pytest.raises(aot.KernelMismatch, match=r"rollout lowered for cpu-8: long-sequence attention runs "
+                     r"\['xla'\] where the family names 'splash' for cpu"):
+    _rows(dict(data=2, fsdp=2, context=2), fns=('rollout',), long_attention=True)
+
+
+@needs_libtpu
+def test_tpu_rows_hold_the_target_kernel_whatever_traced_first():
+  """Issue 42: for a TPU slice the configs' '' kernel is splash in every compiled function, although
+  `abstract_inputs` traces the rollout and data_grads with `eval_shape` on this CPU host first (jit
+  caches that trace). Smoke shapes with long self-attention, v5p-8, FSDP 2 x context 2 (Ulysses)."""
+  rows = _rows(dict(data=1, fsdp=2, context=2), topology='v5p-8', fns=aot.FUNCTIONS, long_attention=True)
+  assert set(rows) == set(aot.FUNCTIONS)
+  for row in rows.values():
+    assert row['attention'] == ['splash', 'xla_short'], row['fn']
+    assert row['attention_family'] == 'splash' and row['context_impl'] == 'ulysses'
+    assert row['fits'] and 0 < row['peak_bytes'] < 2**30
+
+
+@needs_libtpu
+def test_plan_scope_resolves_for_the_mesh_platform():
+  config = _config(dict(data=1, fsdp=2, context=2))
+  mesh = parallel.make_mesh(config.mesh, topology.topology_devices('v5p-8'))
+  tpu = parallel.ShardingPlan.for_model(config, mesh, tasks.get_family(config))
+  assert tpu.platform == 'tpu'
+  assert tpu.scope(attention.current_platform)() == 'tpu'
+  assert attention.current_platform() == jax.default_backend()
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
-                    reason="needs libtpu for compile-only TPU devices: pip install -e '.[aot]'")
+@needs_libtpu
 def test_tpu_topology_compile_of_the_smoke_iteration():
-  """The smoke iteration for v5p-8 (4 chips), FSDP 2 x context 2 with Ulysses and the splash kernel."""
+  """The smoke iteration for v5p-8 (4 chips), FSDP 2 x context 2 with Ulysses; its 8-token sequences are
+  under min_flash_len, so the program holds only XLA attention although the family names splash."""
   rows = _rows(dict(data=1, fsdp=2, context=2), topology='v5p-8', fns=('rollout', 'update'))
   for row in rows.values():
     assert row['fits'] and row['hbm_bytes'] == 95 * 2**30
-    assert row['attention'] == 'splash' and row['context_impl'] == 'ulysses'
+    assert row['attention'] == ['xla_short'] and row['attention_family'] == 'splash'
+    assert row['context_impl'] == 'ulysses'
     assert 0 < row['per_chip_bytes'] < 2**30
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_cosmos2b_rollout_fits_its_paper_slice():
+  """Issue 42's guard: the paper's Cosmos 2B rollout (86,400 tokens) for v5p-512 compiles with splash and
+  fits; with XLA attention its (S, S) logits need about 230 GB per chip and it would not."""
+  row, = aot.compile_report(cosmos2b.get_config(), 'v5p-512', fns=('rollout',))
+  assert row['attention'] == ['splash', 'xla_short'] and row['attention_family'] == 'splash'
+  assert row['fits'] and row['peak_bytes'] < 20e9, row

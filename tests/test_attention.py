@@ -3,6 +3,7 @@
 Splash runs in Pallas interpret mode on CPU; the context-parallel tests use the 8 fake CPU devices of
 conftest. References are the unsharded 'xla' kernel on the global tensors.
 """
+import dataclasses
 import re
 
 import jax
@@ -177,3 +178,47 @@ def test_context_parallel_errors():
   with pytest.raises(ValueError, match='unknown context-parallel attention'):
     context.context_attention(q, k, v, mesh, XLA, 'tree')
   _assert_close(context.context_attention(q, k, v, None, XLA, 'none'), _ref(q, k, v))
+
+
+def test_program_kernels_name_what_the_lowered_program_runs():
+  """The kernel labels survive jit, scan, remat, grad and the ring's custom VJP into the lowered module's
+  locations; check_program accepts the family's kernel and names any other one."""
+  q, k, v, w = _qkv(1, 256, 2, 64)
+  text_k = k[:, :64]                                  # a short cross-attention: 'xla_short'
+  mesh = _mesh((1, 1, 2, 1))
+
+  def loss(q, k, v):
+    def body(x, _):
+      x = attention.attend(x, k, v, SPLASH) + attention.attend(x, text_k, text_k, SPLASH)
+      x = x + context.context_attention(x, k, v, mesh, SPLASH, 'ring')
+      return x, None
+    out, _ = jax.lax.scan(jax.checkpoint(body), q, None, length=2)
+    return jnp.sum(w * out)
+
+  text = jax.jit(jax.grad(loss)).lower(q, k, v).as_text(debug_info=True)
+  assert attention.program_kernels(text) == ['splash', 'xla_short']
+  assert attention.check_program(text, 'splash', 'cpu') == []
+  assert attention.check_program(text, 'xla', 'cpu') == [
+      "long-sequence attention runs ['splash'] where the family names 'xla' for cpu"]
+  # Interpret-mode splash lowers to plain HLO: on a TPU target that is not the Pallas kernel.
+  assert attention.check_program(text, 'splash', 'tpu') == [
+      "'splash' is scoped but the program has no tpu_custom_call call"]
+  xla_text = jax.jit(lambda q: attention.attend(q, k, v, XLA)).lower(q).as_text(debug_info=True)
+  assert attention.program_kernels(xla_text) == ['xla_short']     # S = 256 < the default 4096
+  long_xla = dataclasses.replace(XLA, min_flash_len=128)
+  xla_text = jax.jit(lambda q: attention.attend(q, k, v, long_xla)).lower(q).as_text(debug_info=True)
+  assert attention.program_kernels(xla_text) == ['xla']
+  assert attention.check_program(xla_text, 'splash', 'tpu') == [
+      "long-sequence attention runs ['xla'] where the family names 'splash' for tpu"]
+
+
+def test_auto_kernel_resolves_for_the_target_platform():
+  """'' resolves for `target_platform` (the plan's mesh platform in a traced step), else this backend."""
+  auto = attention.AttentionConfig(kernel='', min_flash_len=128)
+  q, k, v, _ = _qkv(1, 256, 2, 64)
+  assert attention.current_platform() == jax.default_backend() == 'cpu'
+  assert 'pallas_call' not in str(jax.make_jaxpr(lambda q: attention.attend(q, k, v, auto))(q))
+  with attention.target_platform('tpu'):
+    assert attention.current_platform() == 'tpu'
+    assert 'pallas_call' in str(jax.make_jaxpr(lambda q: attention.attend(q, k, v, auto))(q))
+  assert attention.current_platform() == 'cpu'

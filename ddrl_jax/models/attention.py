@@ -13,11 +13,17 @@ Kernels ('xla', 'cudnn', 'splash'):
 Sequences shorter than `min_flash_len` always take 'xla' (maxdiffusion's flash_min_seq_length): e.g. the
 512-token text cross-attention is cheap and too short to tile well.
 
+Every call runs under a named scope `attention_kernel.<label>` (label: the kernel, or 'xla_short' for the
+short-sequence fallback), so a lowered program says which kernels it really contains (`program_kernels`):
+`ddrl_jax.aot` records them per compiled function and refuses a program whose long-sequence attention is
+not the kernel its family names for the target.
+
 Context parallelism (Ulysses / ring) over these kernels lives in `ddrl_jax.parallel.context`.
 """
 import contextlib
 import dataclasses
 import math
+import re
 import threading
 
 import jax
@@ -91,21 +97,57 @@ def current_platform():
   return getattr(_target, 'platform', None) or jax.default_backend()
 
 
-def _kernel_for(q, k, cfg):
-  """The kernel `attend` runs for these shapes: cfg's (resolved), or 'xla' for short sequences."""
+def _label_for(q, k, cfg):
+  """The kernel `attend` runs for these shapes as a scope label: cfg's (resolved), or 'xla_short' when
+  the sequences are shorter than min_flash_len."""
   kernel = resolve(cfg.kernel, current_platform())
   if min(q.shape[1], k.shape[1]) < cfg.min_flash_len:
-    return 'xla'
+    return 'xla' + _SHORT
   return kernel
+
+
+_SCOPE = 'attention_kernel.'
+_SHORT = '_short'
+_SCOPE_RE = re.compile(re.escape(_SCOPE) + r'(xla_short|xla|cudnn|splash)\b')
+# What each kernel lowers to on its own platform (interpret-mode splash lowers to plain HLO instead).
+_KERNEL_OPS = {'splash': ('tpu', 'tpu_custom_call'), 'cudnn': ('gpu', '__cudnn$fmha')}
+
+
+def program_kernels(module_text):
+  """Sorted attention-kernel labels in a lowered program: `lowered.as_text(debug_info=True)` (the scope
+  names live in its locations). Labels: 'xla', 'cudnn', 'splash', and 'xla_short' for attention that fell
+  back to 'xla' below min_flash_len."""
+  return sorted(set(_SCOPE_RE.findall(module_text)))
+
+
+def check_program(module_text, expected, platform):
+  """Problems (strings; empty when none) of a program lowered for `platform` whose long-sequence
+  attention should run `expected` (a KERNELS name, or None for a network without attention): a
+  long-sequence label other than `expected`, or, on the kernel's own platform, a kernel label without the
+  operation that kernel lowers to (splash without a Pallas `tpu_custom_call`, cuDNN without a
+  `__cudnn$fmha` call)."""
+  problems = []
+  labels = program_kernels(module_text)
+  wrong = [k for k in labels if not k.endswith(_SHORT) and k != expected]
+  if wrong:
+    problems.append(f'long-sequence attention runs {wrong} where the family names {expected!r} for '
+                    f'{platform}')
+  for kernel, (kernel_platform, op) in _KERNEL_OPS.items():
+    on_its_platform = platform == kernel_platform or (kernel_platform == 'gpu' and platform == 'cuda')
+    if kernel in labels and on_its_platform and op not in module_text:
+      problems.append(f'{kernel!r} is scoped but the program has no {op} call')
+  return problems
 
 
 def attend(q, k, v, cfg):
   """Full attention softmax(q k^T / sqrt(Hd)) v: q (B, S, N, Hd), k, v (B, L, N, Hd) -> (B, S, N, Hd)."""
-  kernel = _kernel_for(q, k, cfg)
-  if kernel == 'splash':
-    return _splash(q, k, v, cfg, save_residuals=False)
-  # 'xla' and 'cudnn' (implementation=None would let JAX choose, which hides what actually runs).
-  return jax.nn.dot_product_attention(q, k, v, implementation=kernel)
+  label = _label_for(q, k, cfg)
+  kernel = label.removesuffix(_SHORT)
+  with jax.named_scope(_SCOPE + label):
+    if kernel == 'splash':
+      return _splash(q, k, v, cfg, save_residuals=False)
+    # 'xla' and 'cudnn' (implementation=None would let JAX choose, which hides what actually runs).
+    return jax.nn.dot_product_attention(q, k, v, implementation=kernel)
 
 
 def attend_with_lse(q, k, v, cfg):
@@ -116,14 +158,16 @@ def attend_with_lse(q, k, v, cfg):
   Only the 'xla' path is differentiable (out and lse): splash refuses AD with save_residuals and the
   cuDNN path is not relied on for it; callers that need gradients (ring attention) define their own VJP.
   """
-  kernel = _kernel_for(q, k, cfg)
-  if kernel == 'splash':
-    return _splash(q, k, v, cfg, save_residuals=True)
-  if kernel == 'cudnn':
-    # JAX returns cuDNN's natural-log softmax statistic as (B, S, N) in out's dtype (bf16 in, bf16 lse).
-    out, lse = jax.nn.dot_product_attention(q, k, v, implementation='cudnn', return_residual=True)
-    return out, jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)
-  return _xla_with_lse(q, k, v)
+  label = _label_for(q, k, cfg)
+  kernel = label.removesuffix(_SHORT)
+  with jax.named_scope(_SCOPE + label):
+    if kernel == 'splash':
+      return _splash(q, k, v, cfg, save_residuals=True)
+    if kernel == 'cudnn':
+      # JAX returns cuDNN's natural-log softmax statistic as (B, S, N) in out's dtype (bf16 in, bf16 lse).
+      out, lse = jax.nn.dot_product_attention(q, k, v, implementation='cudnn', return_residual=True)
+      return out, jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)
+    return _xla_with_lse(q, k, v)
 
 
 def _xla_with_lse(q, k, v):

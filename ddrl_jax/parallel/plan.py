@@ -119,12 +119,22 @@ class ShardingPlan:
         out[field] = jax.tree.map(lambda _: rep, value)
     return type(abstract_state)(**out)
 
+  @property
+  def platform(self):
+    """The platform of the mesh's devices ('tpu' for a compile-only TPU topology on a CPU host), or None
+    for an AbstractMesh."""
+    devices = getattr(self.mesh, 'devices', None)
+    return devices.flat[0].platform if isinstance(devices, np.ndarray) and devices.size else None
+
   def scope(self, fn):
-    """`fn` with this plan active while it runs (i.e. while jit traces it)."""
+    """`fn` with this plan active while it runs (i.e. while jit traces it), and '' / 'auto' attention
+    kernels resolved for the mesh's platform, not this process's backend. The resolution is part of the
+    trace itself, so an `eval_shape` or cached trace made before an ahead-of-time `lower` for a TPU
+    slice traces the target's kernel too."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-      with active(self):
+      with active(self), attention_lib.target_platform(self.platform):
         return fn(*args, **kwargs)
 
     return wrapped
