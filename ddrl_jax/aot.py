@@ -3,6 +3,7 @@
     python -m ddrl_jax.aot --config=configs/cosmos2b.py --topology=v5p-512 [--out=FILE]
     python -m ddrl_jax.aot --config=configs/cosmos14b.py --topology=v5p-2048
     python -m ddrl_jax.aot --config=configs/cosmos2b.py:smoke --topology=cpu-8       (the CI path)
+    python -m ddrl_jax.aot --config=configs/wan14b.py:ddrl --topology=v5p-16 --lower_only  (kernels only)
 
 Builds the run's mesh from the slice's compile-only devices (libtpu, `pip install -e '.[aot]'`; 'cpu-N' uses
 N local CPU devices), the train state's shardings from config.sharding, and lowers and compiles the
@@ -56,7 +57,7 @@ class KernelMismatch(ValueError):
 
 
 def _define_flags():
-  global _CONFIG, _TOPOLOGY, _NUM_SLICES, _OUT, _FNS, _MARGIN
+  global _CONFIG, _TOPOLOGY, _NUM_SLICES, _OUT, _FNS, _MARGIN, _LOWER_ONLY
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (get_config(arg)).',
                                             lock_config=True)
   _TOPOLOGY = flags.DEFINE_string('topology', None, "A TPU slice (e.g. v5p-512) or 'cpu-N'.")
@@ -64,6 +65,8 @@ def _define_flags():
   _OUT = flags.DEFINE_string('out', '', 'Also append the JSON lines to this file.')
   _FNS = flags.DEFINE_list('fns', list(FUNCTIONS), f'Functions to compile, of {FUNCTIONS}.')
   _MARGIN = flags.DEFINE_float('margin', 0.0, 'Fail unless this fraction of HBM stays free.')
+  _LOWER_ONLY = flags.DEFINE_bool('lower_only', False, 'Only lower each function and report the attention '
+                                  'kernels its program holds (seconds instead of minutes; no memory).')
   distributed.define_flags()
 
 
@@ -135,8 +138,9 @@ def network_passes(config, fn, remat):
   return grad * k
 
 
-def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_options=None):
-  """Compiles `fns` for `topology`; yields one dict per function (see the module docstring)."""
+def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_options=None, lower_only=False):
+  """Compiles `fns` for `topology`; yields one dict per function (see the module docstring). With
+  `lower_only`, stops after lowering: fn, topology, mesh, attention, attention_family, lower_s."""
   devices = topology_lib.topology_devices(topology, num_slices)
   platform = devices[0].platform
   config_lib.validate(config, len(devices))
@@ -173,6 +177,11 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
       raise KernelMismatch(f'{name} lowered for {topology}: ' + '; '.join(problems))
     found = attention_lib.program_kernels(text)
     del text
+    if lower_only:
+      yield dict(fn=name, topology=topology, num_slices=num_slices, mesh=dict(mesh.shape), attention=found,
+                 attention_family=kernel, context_impl=plan.context_impl,
+                 lower_s=round(time.perf_counter() - t0, 2))
+      continue
     try:
       compiled = lowered.compile(compiler_options or None)
     except jax.errors.JaxRuntimeError as e:
@@ -226,13 +235,14 @@ def main(argv):
   failed = []
   out = open(_OUT.value, 'a') if _OUT.value else None
   try:
-    for row in compile_report(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _FNS.value):
+    for row in compile_report(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _FNS.value,
+                              lower_only=_LOWER_ONLY.value):
       line = json.dumps(row)
       print(line, flush=True)
       if out:
         out.write(line + '\n')
         out.flush()
-      hbm = row['hbm_bytes']
+      hbm = row.get('hbm_bytes')
       if hbm and (not row['fits'] or row['peak_bytes'] > (1 - _MARGIN.value) * hbm):
         failed.append(row['fn'])
   except KernelMismatch as e:     # a wrong memory figure is worse than none: no row, exit 1

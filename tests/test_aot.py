@@ -64,8 +64,11 @@ def test_rows_name_the_kernels_their_programs_contain():
   short-sequence fallback; the smoke's default min_flash_len leaves only the fallback."""
   long = _rows(dict(data=2, fsdp=2, context=2), fns=('rollout',), long_attention=True)['rollout']
   assert long['attention'] == ['xla', 'xla_short'] and long['attention_family'] == 'xla'
-  short = _rows(dict(data=2, fsdp=2, context=2), fns=('rollout',))['rollout']
-  assert short['attention'] == ['xla_short']
+  config = _config(dict(data=2, fsdp=2, context=2))
+  lowered = {r['fn']: r for r in aot.compile_report(config, 'cpu-8', lower_only=True)}   # --lower_only
+  assert set(lowered) == set(aot.FUNCTIONS)
+  for row in lowered.values():
+    assert row['attention'] == ['xla_short'] and row['lower_s'] > 0 and 'peak_bytes' not in row
 
 
 def test_a_program_without_the_family_kernel_is_refused_before_compiling(monkeypatch):
