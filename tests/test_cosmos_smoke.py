@@ -78,6 +78,9 @@ def test_smoke_trains_t2v_and_i2v_and_resumes_on_other_meshes(tmp_path):
   # Both modes occurred among the 2 x 8 training groups, and every I2V rollout ended on the GT frame.
   modes = np.concatenate(trainer.task.cond_log[:2])
   assert modes.shape == (16,) and set(modes.tolist()) == {0, 1}
+  # ... and each step's metrics count them (the T2V:I2V mix of its 8 groups).
+  for l, mode in zip(train[:2], trainer.task.cond_log[:2]):
+    assert (l['cond_i2v'], l['cond_t2v']) == (float(mode.sum()), float(8 - mode.sum())), l
   assert len(trainer.task.i2v_frame0_err) >= 1
   assert max(trainer.task.i2v_frame0_err) < 1e-5
 

@@ -17,6 +17,15 @@ import importlib
 BUILTIN = {
     'ocr': 'ddrl_jax.rewards.ocr:OCRReward',
     'ocr_rapid': 'ddrl_jax.rewards.ocr:RapidOCRReward',   # the same score read by RapidOCR (PP-OCRv4)
+    'videoalign': 'ddrl_jax.rewards.videoalign:VideoAlignReward',   # VQ/MQ/TA of VideoReward (torch)
+    # VBench (torch): the mean of its five quality dimensions (DDRL's VBench reward), or one of them.
+    'vbench': 'ddrl_jax.rewards.vbench:VBenchReward',
+    'vbench_subject_consistency': 'ddrl_jax.rewards.vbench:SubjectConsistency',
+    'vbench_background_consistency': 'ddrl_jax.rewards.vbench:BackgroundConsistency',
+    'vbench_motion_smoothness': 'ddrl_jax.rewards.vbench:MotionSmoothness',
+    'vbench_aesthetic_quality': 'ddrl_jax.rewards.vbench:AestheticQuality',
+    'vbench_imaging_quality': 'ddrl_jax.rewards.vbench:ImagingQuality',
+    'cosmos_reason1': 'ddrl_jax.rewards.cosmos_reason1:CosmosReason1Reward',  # Reason1 P("No") (torch)
     'linear': 'ddrl_jax.rewards.basic:LinearReward',
     'temporal_smoothness': 'ddrl_jax.rewards.basic:TemporalSmoothness',
     'mean_intensity': 'ddrl_jax.rewards.basic:MeanIntensity',

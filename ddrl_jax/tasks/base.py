@@ -72,6 +72,10 @@ class Task(Protocol):
   def evaluate(self, samples, key, cond=None) -> dict:
     """{metric: float} of (M, *sample_shape) samples of `cond`."""
 
+  def batch_metrics(self, cond) -> dict:
+    """{metric: float} describing one iteration's conditions (B, ...), logged with the step's metrics
+    (e.g. how many groups were text-to-video and image-to-video)."""
+
 
 class FamilyTask:
   """Base class of the tasks: the model comes from `family` (chosen by config.model_family, default
@@ -153,6 +157,10 @@ class FamilyTask:
   def encode_prompts(self, prompts):
     del prompts
     self._unsupported('encode media', 'encode_prompts')
+
+  def batch_metrics(self, cond):
+    del cond
+    return {}
 
   def require(self, ability):
     """Raises Unsupported unless `ability` is in `capabilities` (call before starting long work)."""

@@ -34,9 +34,14 @@ square moving over a dark background, each rendered with numpy from the item's s
 colour are those the paired prompt names. They are encoded once with the (randomly initialized or
 converted) Wan VAE and normalized, so the data term really trains on VAE latents of videos.
 
-Text (config.cosmos.text == 'bytes'): the prompt's UTF-8 bytes through a frozen, fixed-seed
-`models.text.ByteEmbedding` of width C (not trained; a stand-in for precomputed Cosmos-Reason1
-full_concat embeddings).
+Text (config.cosmos.text):
+  'reason1': Cosmos-Predict2.5's own conditioning, the Cosmos-Reason1-7B language model run in JAX
+    (`models.reason1_text`) from config.cosmos.text_encoder (a diffusers Cosmos-Predict2.5 folder with
+    text_encoder/ and tokenizer/, or the text_encoder folder): 512 chat tokens, 28 normalised hidden
+    states concatenated to (512, 100352). Prompts are encoded when a batch needs them (records prepared
+    with `--text=task` carry them instead); the embeddings are not cached.
+  'bytes': the prompt's UTF-8 bytes through a frozen, fixed-seed `models.text.ByteEmbedding` of width C
+    (not trained; a stand-in for `:smoke` runs without an encoder).
 
 Rewards: `reward_inputs` denormalizes and decodes the latents with the VAE (jitted) into uint8 videos
 (M, F, H, W, 3) and hands them, with each group's prompt, to the reward service (config.reward; the
@@ -69,6 +74,9 @@ PROMPTS = (
     ('a white square standing still', (0.95, 0.95, 0.95), (0, 0)),
     ('an orange square moving right slowly', (1.0, 0.55, 0.1), (0, 0.5)),
 )
+
+TEXT_KINDS = ('reason1', 'bytes')
+
 
 def vae_config(c):
   presets = {'wan21': wan_vae.wan21, 'tiny': wan_vae.tiny}
@@ -126,10 +134,14 @@ class CosmosVideo(base.FamilyTask):
       raise ValueError(f'config.cosmos: VAE z_dim {self.vae_cfg.z_dim} != DiT in_channels '
                        f'{self.dit.in_channels}')
     self.text_dim = self.dit.crossattn_in or self.dit.context_dim
+    if c.text not in TEXT_KINDS:
+      raise ValueError(f'config.cosmos.text={c.text!r}; known: {TEXT_KINDS}')
     self._vae = None
     self._latents = None
     self._text = None
     self._byte_embed_fn = None
+    self._reason1 = None
+    self.num_truncated_prompts = 0   # prompts longer than text_length chat tokens (cut, logged)
     self.cond_log = []           # host copies of num_cond per conditions() call (T2V/I2V bookkeeping)
     self.i2v_frame0_err = []     # max |x0[frame 0] - gt| over I2V rollouts, per reward() call
 
@@ -179,9 +191,9 @@ class CosmosVideo(base.FamilyTask):
     return self._latents
 
   def prompt_embeddings(self):
-    """(len(PROMPTS), L, C) frozen byte embeddings of the built-in prompts (host, cached)."""
+    """(len(PROMPTS), L, C) text embeddings of the built-in prompts (host, cached)."""
     if self._text is None:
-      self._text = self._byte_embed([p for p, _, _ in PROMPTS])
+      self._text = self.encode_prompts([p for p, _, _ in PROMPTS])
     return self._text
 
   # ----------------------------------------------------------------------------------- task API
@@ -257,6 +269,11 @@ class CosmosVideo(base.FamilyTask):
                 num_cond=jnp.asarray(num_cond), index=jnp.arange(b, dtype=jnp.int32))
     return cond, jnp.asarray(x0)
 
+  def batch_metrics(self, cond):
+    """Groups of this process's batch by kind: cond_i2v (first frame given) and cond_t2v."""
+    num_cond = np.asarray(cond['num_cond'])
+    return dict(cond_i2v=float((num_cond > 0).sum()), cond_t2v=float((num_cond == 0).sum()))
+
   def evaluate(self, samples, key, cond=None):
     del key, cond
     samples = np.asarray(samples, np.float32)
@@ -298,8 +315,6 @@ class CosmosVideo(base.FamilyTask):
 
   def _byte_embed(self, prompts):
     """list[str] -> (B, text_length, text_dim) float32: the frozen byte embedding of prompt_embeddings."""
-    if self.c.text != 'bytes':
-      raise ValueError(f'config.cosmos.text={self.c.text!r}: only bytes is implemented')
     if self._byte_embed_fn is None:
       emb = text_lib.ByteEmbedding(self.text_dim, self.c.text_length, rngs=nnx.Rngs(self.c.text_seed))
       self._byte_embed_fn = jax.jit(lambda i: emb(i))  # pylint: disable=unnecessary-lambda
@@ -328,8 +343,37 @@ class CosmosVideo(base.FamilyTask):
     return rec
 
   def encode_prompts(self, prompts):
-    """list[str] -> (B, L, C) float32 text embeddings as the DiT's cond['text'] (host)."""
+    """list[str] -> (B, L, C) float32 text embeddings as the DiT's cond['text'] (host).
+
+    Reason1 embeddings are not cached: one is 196 MiB in float32 at the paper's size, and one encoder
+    forward costs about 1/300 of one DiT forward at 720p (README, `ddrl_jax.models.reason1_text`)."""
+    prompts = list(prompts)
+    if self.c.text == 'reason1':
+      return self._reason1_embed(prompts)
     return self._byte_embed(prompts)
+
+  def _reason1_encoder(self):
+    """The Cosmos-Reason1 text encoder of config.cosmos.text_encoder, checked against the DiT's width."""
+    if self._reason1 is None:
+      from ddrl_jax.models import reason1_text  # pylint: disable=g-import-not-at-top
+      if not self.c.get('text_encoder'):
+        raise ValueError("config.cosmos.text='reason1' needs config.cosmos.text_encoder: a diffusers "
+                         'Cosmos-Predict2.5 folder (text_encoder/ + tokenizer/, e.g. of '
+                         'nvidia/Cosmos-Predict2.5-2B) or its text_encoder folder')
+      enc = reason1_text.Reason1TextEncoder.from_pretrained(
+          self.c.text_encoder, max_length=self.c.text_length, batch_size=self.c.get('text_batch', 4),
+          dtype=self.family.dit.dtype, param_dtype=self.family.dit.dtype)   # inference only: no fp32 masters
+      if enc.dim != self.text_dim:
+        raise ValueError(f'config.cosmos.text_encoder={self.c.text_encoder!r} gives {enc.dim}-wide '
+                         f'embeddings ({enc.config.num_layers} layers x {enc.config.hidden_size}); the DiT '
+                         f'takes {self.text_dim} (config.cosmos.model={self.c.model!r})')
+      self._reason1 = enc
+    return self._reason1
+
+  def _reason1_embed(self, prompts):
+    encoded = self._reason1_encoder().encode(prompts)
+    self.num_truncated_prompts += encoded.num_truncated
+    return np.asarray(encoded.embeddings, np.float32)
 
 
 TASK = CosmosVideo
