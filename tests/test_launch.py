@@ -511,7 +511,8 @@ def test_jaxlib_knows_the_gpu_flags(dry):
 
 
 # ------------------------------------------------------------------------------ docker, README
-@pytest.mark.parametrize('name,extra', [('Dockerfile.tpu', '.[tpu,video]'), ('Dockerfile.gpu', '.[cuda,video]')])
+@pytest.mark.parametrize('name,extra', [('Dockerfile.tpu', '.[tpu,video]'), ('Dockerfile.gpu', '.[cuda,video]'),
+                                        ('Dockerfile.rewards', '.[video_rewards]')])
 def test_dockerfile(name, extra):
   text = re.sub(r'\\\n', ' ', open(os.path.join(LAUNCH, 'docker', name)).read())   # join continued lines
   lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith('#')]
@@ -850,17 +851,26 @@ def _documented_commands():
   return sorted(set(found))
 
 
+# What the dry run of each documented command must print: the train command, or for the GPU reward pools
+# (launch/gpu/reward_pool.sbatch, launch/tpu/gcloud_reward_pool.sh) the servers or the VMs.
+DOCUMENTED_OUTPUT = {'launch/gpu/reward_pool.sbatch': 'ddrl_jax.rewards.serve',
+                     'launch/tpu/gcloud_reward_pool.sh': 'gcloud compute instances'}
+
+
 def test_documented_commands_dry_run(stub_bin):
-  """Each launch command the READMEs write out runs as written (plus --dry-run): `bash ...` as the
-  submission, `sbatch ...` as the job sbatch starts with the script's #SBATCH nodes."""
+  """Each launch command the READMEs write out runs as written (plus --dry-run, and a reward-service
+  token in DDRL_REWARD_TOKEN as their text asks): `bash ...` as the submission, `sbatch ...` as the job
+  sbatch starts with the script's #SBATCH nodes."""
   commands = _documented_commands()
   assert len(commands) >= 10 and any('--container-image' in c for _, c in commands), commands
-  header = slurm_header()
   for doc, cmd in commands:
     words = shlex.split(cmd)
-    env = None
+    env = dict(DDRL_REWARD_TOKEN='documented-token')
     if words[0] == 'sbatch':
-      env = dict(SLURM_JOB_ID='1', SLURM_JOB_NUM_NODES=header['--nodes'], SLURM_SUBMIT_DIR=REPO)
+      with open(os.path.join(REPO, words[1])) as f:
+        nodes = re.search(r'^#SBATCH --nodes=(\d+)', f.read(), re.M).group(1)
+      env.update(SLURM_JOB_ID='1', SLURM_JOB_NUM_NODES=nodes, SLURM_SUBMIT_DIR=REPO)
     r = run_script(stub_bin, words[1], '--dry-run', *words[2:], env=env)
     assert r.rc == 0, (doc, cmd, r.err)
-    assert any('ddrl_jax.train' in l for l in r.lines), (doc, cmd)
+    want = DOCUMENTED_OUTPUT.get(words[1], 'ddrl_jax.train')
+    assert any(want in l for l in r.lines), (doc, cmd)

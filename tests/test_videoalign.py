@@ -429,6 +429,26 @@ def test_reward_keys_batches_and_bad_inputs(released, base_dir):
     make(key='overall')
 
 
+def test_shared_scoring_retries_a_failed_batch_one_video_at_a_time():
+  """video_common.score_batches (the loop of videoalign's and cosmos_reason1's rewards): a failing batch is
+  retried video by video, a failing batch of one is not retried; failures stay NaN and are reported."""
+  from ddrl_jax.rewards import video_common  # pylint: disable=g-import-not-at-top
+  calls, warned = [], []
+
+  def score(which):
+    calls.append(list(which))
+    if 1 in which or 4 in which:
+      raise RuntimeError('bad video')
+    return np.array([[float(i), -float(i)] for i in which])
+
+  out = video_common.score_batches(5, 2, 2, score, lambda i, e: warned.append((i, str(e))))
+  assert calls == [[0, 1], [0], [1], [2, 3], [4]]
+  assert warned == [(1, 'bad video'), (4, 'bad video')]
+  np.testing.assert_array_equal(out[[0, 2, 3]], [[0, 0], [2, -2], [3, -3]])
+  assert np.isnan(out[[1, 4]]).all() and out.dtype == np.float64
+  assert issubclass(va.CheckpointError, video_common.CheckpointError)
+
+
 def test_module_imports_without_torch():
   code = ('import sys; sys.modules.update(torch=None, transformers=None, safetensors=None); '
           'from ddrl_jax.rewards import videoalign; print(videoalign.num_frames(93, 16))')

@@ -67,6 +67,7 @@ import os
 
 import numpy as np
 
+from ddrl_jax.rewards import video_common
 from ddrl_jax.rewards import videoalign
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,14 @@ MIN_PIXELS = 16 * SIZE_FACTOR**2 * TEMPORAL_PATCH              # per frame: 25,0
 # transformers' Qwen2-VL video processor defaults, for a preprocessor config that gives no pixel bounds.
 PROCESSOR_MIN_PIXELS = 128 * 28 * 28
 PROCESSOR_MAX_PIXELS = 768 * 28 * 28
+
+
+class CheckpointError(video_common.CheckpointError):
+  """A Cosmos-Reason1 reward checkpoint that cannot be used; the message is one line naming the file."""
+
+
+# _fail(path, what) raises CheckpointError('cosmos_reason1 checkpoint <path>: <what>').
+_fail = functools.partial(video_common.fail, 'cosmos_reason1', error=CheckpointError)
 
 
 # ------------------------------------------------------------------------------------------ frames
@@ -115,6 +124,11 @@ def sampling_plan(total, height, width, fps):
   idx = frame_indices(total)
   size = videoalign.smart_resize(height, width, SIZE_FACTOR, *frame_pixels(len(idx)))
   return idx, size, fps / frame_stride(total)
+
+
+def check_videos(samples, prompts):
+  """`samples` as an array after checking it is (M, F, H, W, 3) uint8 with M prompts."""
+  return video_common.check_videos(samples, prompts, 'cosmos_reason1')
 
 
 def video_tokens(nframes, height, width, patch=14, temporal_patch=TEMPORAL_PATCH, merge=2):
@@ -184,7 +198,7 @@ def load_system_prompt(system_prompt=None):
       text = f.read()
   except (OSError, ValueError) as e:
     raise ValueError(f'cosmos_reason1 system_prompt {system_prompt}: cannot be read '
-                     f'({type(e).__name__}: {_first_line(e)})') from None
+                     f'({video_common.describe(e)})') from None
   text = text[:-1] if text.endswith('\n') else text
   if not text.strip():
     raise ValueError(f'cosmos_reason1 system_prompt {system_prompt}: the file is empty')
@@ -193,8 +207,7 @@ def load_system_prompt(system_prompt=None):
 
 def chat_messages(prompt, system=RUBRIC):
   """A system turn with the rubric, then a user turn: the video, then the generation prompt."""
-  if not isinstance(prompt, str):
-    raise ValueError(f'cosmos_reason1: prompt {prompt!r} is not a string')
+  video_common.check_prompt(prompt, 'cosmos_reason1')
   return [{'role': 'system', 'content': system},
           {'role': 'user', 'content': [{'type': 'video'}, {'type': 'text', 'text': prompt}]}]
 
@@ -221,27 +234,9 @@ def score_table(logits):
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
-class CheckpointError(ValueError):
-  """A Cosmos-Reason1 reward checkpoint that cannot be used; the message is one line naming the file."""
-
-
-def _fail(path, what):
-  raise CheckpointError(f'cosmos_reason1 checkpoint {path}: {what}')
-
-
-def _first_line(e):
-  return (str(e).strip().splitlines() or [''])[0][:200]
-
-
 def _read_json(path):
-  try:
-    with open(path, encoding='utf-8') as f:
-      data = json.load(f)
-  except (OSError, ValueError) as e:
-    _fail(path, f'cannot be read ({type(e).__name__}: {_first_line(e)})')
-  if not isinstance(data, dict):
-    _fail(path, 'is not a JSON object')
-  return data
+  """The JSON object in `path`; CheckpointError naming the file when it cannot be read or is not one."""
+  return video_common.read_json(path, _fail)
 
 
 def _first(folder, names):
@@ -254,11 +249,9 @@ def _first(folder, names):
 def checkpoint_files(folder):
   """{'config', 'weights' (a list), 'tokenizer', 'processor', 'chat_template' (None: the tokenizer's)}:
   the paths of a checkpoint folder's pieces; CheckpointError naming the first piece missing."""
-  if not os.path.isdir(folder):
-    _fail(folder, 'no such directory')
+  video_common.require_dir(folder, _fail)
   config = os.path.join(folder, 'config.json')
-  if not os.path.isfile(config):
-    _fail(config, 'missing')
+  video_common.require_file(config, _fail)
   weights = _first(folder, ['model.safetensors'])
   if weights is not None:
     weights = [weights]
@@ -311,7 +304,7 @@ def read_chat_template(folder, path, tokenizer):
       with open(path, encoding='utf-8') as f:
         return f.read()
     except (OSError, ValueError) as e:
-      _fail(path, f'cannot be read ({type(e).__name__}: {_first_line(e)})')
+      _fail(path, f'cannot be read ({video_common.describe(e)})')
   template = _read_json(path).get('chat_template')
   if not isinstance(template, str) or not template:
     _fail(path, 'holds no chat_template string')
@@ -319,31 +312,31 @@ def read_chat_template(folder, path, tokenizer):
 
 
 def torch_dtype(name):
-  import torch  # pylint: disable=g-import-not-at-top
-  dtypes = {'bfloat16': torch.bfloat16, 'float32': torch.float32, 'float16': torch.float16}
-  if name not in dtypes:
-    raise ValueError(f'cosmos_reason1: dtype {name!r}; known: {sorted(dtypes)}')
-  return dtypes[name]
+  """The torch dtype called `name` ('bfloat16', 'float32' or 'float16'); ValueError otherwise."""
+  return video_common.torch_dtype(name, 'cosmos_reason1')
 
 
 # ------------------------------------------------------------------------------------------ model
-class CosmosReason1Model:
+class CosmosReason1Model(video_common.QwenVideoModel):
   """The judge of one checkpoint with its tokenizer, chat template and pixel settings (see `load_model`).
 
   `logits(videos, prompts, position_fps, system)`: a list of (n, 3, h, w) float 0..255 frame tensors (one
   video each, from `resize_frames`), their prompts and the fps their time positions use -> (B, 2) float64
   logits of (Yes, No) at each row's last token."""
 
+  reward = 'cosmos_reason1'
+
   def __init__(self, model, tokenizer, chat_template, processor_config=None):
-    self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
+    super().__init__(model, tokenizer)
+    self.chat_template = chat_template
     self.mean, self.std, self.pixel_bounds = processor_settings(processor_config or {})
     self.yes_id, self.no_id = answer_ids(tokenizer)
-    vision = model.config.vision_config
-    self.patch, self.temporal_patch = vision.patch_size, vision.temporal_patch_size
-    self.merge = vision.spatial_merge_size
-    self.video_token = tokenizer.convert_ids_to_tokens(model.config.video_token_id)
-    tokenizer.padding_side = 'right'
-    self.device = next(model.parameters()).device
+
+  def video_rows(self, frames):
+    """(n, 3, h, w) float 0..255 frames -> the processor's resize (processor_resize), then Qwen2.5-VL's
+    patch rows and grid (videoalign.patchify)."""
+    frames = processor_resize(frames, *self.pixel_bounds, factor=self.patch * self.merge)
+    return videoalign.patchify(frames, self.mean, self.std, self.patch, self.temporal_patch, self.merge)
 
   def chat_text(self, prompt, system=RUBRIC):
     """The prompt as text: chat template on chat_messages, with the generation prompt."""
@@ -355,25 +348,11 @@ class CosmosReason1Model:
     patch in place of the template's one, the patch rows, video_grid_thw and second_per_grid_ts
     (temporal_patch / fps, float32)."""
     import torch  # pylint: disable=g-import-not-at-top
-    pixels, grids, texts = [], [], []
-    for frames, prompt in zip(videos, prompts):
-      frames = processor_resize(frames, *self.pixel_bounds, factor=self.patch * self.merge)
-      rows, grid = videoalign.patchify(frames, self.mean, self.std, self.patch, self.temporal_patch,
-                                       self.merge)
-      text = self.chat_text(prompt, system)
-      if text.count(self.video_token) != 1:
-        raise ValueError(f'cosmos_reason1: the chat text holds {text.count(self.video_token)} '
-                         f'{self.video_token} tokens, not one')
-      texts.append(text.replace(self.video_token, self.video_token * (int(np.prod(grid)) // self.merge**2)))
-      pixels.append(rows)
-      grids.append(grid)
-    batch = self.tokenizer(texts, padding=True, return_tensors='pt')
-    return dict(input_ids=batch['input_ids'].to(self.device),
-                attention_mask=batch['attention_mask'].to(self.device),
-                pixel_values_videos=torch.cat(pixels).to(self.device),
-                video_grid_thw=torch.tensor(grids, dtype=torch.long, device=self.device),
-                second_per_grid_ts=torch.tensor([self.temporal_patch / float(position_fps)] * len(texts),
-                                                dtype=torch.float32, device=self.device))
+    inputs = self.video_inputs(videos, prompts, lambda prompt: self.chat_text(prompt, system))
+    inputs['second_per_grid_ts'] = torch.tensor(
+        [self.temporal_patch / float(position_fps)] * inputs['input_ids'].shape[0], dtype=torch.float32,
+        device=self.device)
+    return inputs
 
   def answer_logits(self, inputs):
     """(B, 2) logits of (Yes, No) at each row's last token (right padding): the model's own forward up to
@@ -385,10 +364,7 @@ class CosmosReason1Model:
     return self.model.lm_head(hidden)[:, [self.yes_id, self.no_id]]
 
   def logits(self, videos, prompts, position_fps, system=RUBRIC):
-    import torch  # pylint: disable=g-import-not-at-top
-    with torch.inference_mode():
-      out = self.answer_logits(self.inputs(videos, prompts, position_fps, system))
-    return out.float().cpu().numpy().astype(np.float64)
+    return self.run(lambda: self.answer_logits(self.inputs(videos, prompts, position_fps, system)))
 
 
 def load_model(checkpoint, device='cpu', dtype='bfloat16', attn_implementation='sdpa'):
@@ -402,7 +378,7 @@ def load_model(checkpoint, device='cpu', dtype='bfloat16', attn_implementation='
   try:
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
   except Exception as e:  # pylint: disable=broad-except  (bad JSON, missing merges, ...)
-    _fail(files['tokenizer'], f'cannot be loaded ({type(e).__name__}: {_first_line(e)})')
+    _fail(files['tokenizer'], f'cannot be loaded ({video_common.describe(e)})')
   try:
     answer_ids(tokenizer)
   except ValueError as e:
@@ -415,7 +391,7 @@ def load_model(checkpoint, device='cpu', dtype='bfloat16', attn_implementation='
         checkpoint, dtype=torch_dtype(dtype), attn_implementation=attn_implementation, local_files_only=True,
         output_loading_info=True)
   except Exception as e:  # pylint: disable=broad-except  (truncated safetensors, bad config, ...)
-    _fail(weights, f'cannot be loaded ({type(e).__name__}: {_first_line(e)})')
+    _fail(weights, f'cannot be loaded ({video_common.describe(e)})')
   tied = {'lm_head.weight'} if getattr(model.config, 'tie_word_embeddings', False) else set()
   missing = [k for k in info.get('missing_keys', ()) if k not in tied]
   if missing or info.get('mismatched_keys'):
@@ -432,18 +408,6 @@ def shared_model(checkpoint, device, dtype, attn_implementation):
 
 
 # ------------------------------------------------------------------------------------------ reward
-def check_videos(samples, prompts):
-  """`samples` as an array after checking it is (M, F, H, W, 3) uint8 with M prompts."""
-  samples = np.asarray(samples)
-  if samples.dtype != np.uint8 or samples.ndim != 5 or samples.shape[-1] != 3:
-    raise ValueError(f'cosmos_reason1 needs uint8 RGB videos (M, F, H, W, 3), got {samples.dtype} '
-                     f'{samples.shape}')
-  if len(prompts) != samples.shape[0]:
-    raise ValueError(f'cosmos_reason1: {len(prompts)} prompts for {samples.shape[0]} videos '
-                     f'{samples.shape}')
-  return samples
-
-
 class CosmosReason1Reward:
   """reward(samples, prompts) -> (M,) float32 Cosmos-Reason1 scores of (M, F, H, W, 3) uint8 videos.
 
@@ -463,10 +427,7 @@ class CosmosReason1Reward:
 
   def __init__(self, checkpoint, device='cpu', dtype='bfloat16', key='no_score', fps=16.0, batch_size=1,
                system_prompt=None, position_fps=None, attn_implementation='sdpa'):
-    if key not in KEYS:
-      raise ValueError(f'cosmos_reason1: key {key!r}; known: {KEYS}')
-    if int(batch_size) < 1:
-      raise ValueError(f'cosmos_reason1: batch_size {batch_size} < 1')
+    video_common.check_options(key, KEYS, batch_size, 'cosmos_reason1')
     if not float(fps) > 0 or (position_fps is not None and not float(position_fps) > 0):
       raise ValueError(f'cosmos_reason1: fps {fps} and position_fps {position_fps} must be positive')
     torch_dtype(dtype)
@@ -477,42 +438,21 @@ class CosmosReason1Reward:
 
   def plan(self, samples):
     """(frame indices, (h, w), sample_fps) for (M, F, H, W, 3) samples; ValueError when none fits them."""
-    _, f, h, w, _ = samples.shape
-    try:
-      return sampling_plan(f, h, w, self.fps)
-    except ValueError as e:
-      raise ValueError(f'{e} (videos {samples.shape})') from e
+    return video_common.video_plan(samples, lambda f, h, w: sampling_plan(f, h, w, self.fps))
 
   def logits(self, samples, prompts):
     """(M, 2) float64 logits of (Yes, No); NaN rows for videos that could not be scored."""
     samples = check_videos(samples, prompts)
     idx, (h, w), sample_fps = self.plan(samples)
     position_fps = self.position_fps or sample_fps
-    out = np.full((samples.shape[0], 2), np.nan)
-    for start in range(0, samples.shape[0], self.batch_size):
-      chunk = range(start, min(start + self.batch_size, samples.shape[0]))
-      try:
-        out[start:chunk.stop] = self._score(samples, prompts, chunk, idx, h, w, position_fps)
-        continue
-      except Exception as e:  # pylint: disable=broad-except
-        if len(chunk) == 1:
-          self._warn(chunk[0], e)
-          continue
-      for i in chunk:     # find the videos that failed the batch
-        try:
-          out[i] = self._score(samples, prompts, [i], idx, h, w, position_fps)
-        except Exception as e:  # pylint: disable=broad-except
-          self._warn(i, e)
-    return out
+    return video_common.score_batches(
+        samples.shape[0], self.batch_size, 2,
+        lambda which: self._score(samples, prompts, which, idx, h, w, position_fps),
+        functools.partial(video_common.warn_unscored, logger, 'cosmos_reason1'))
 
   def _score(self, samples, prompts, which, idx, h, w, position_fps):
     videos = [resize_frames(samples[i][idx], h, w) for i in which]
     return self.judge.logits(videos, [prompts[i] for i in which], position_fps, self.system)
-
-  @staticmethod
-  def _warn(i, e):
-    logger.warning('cosmos_reason1: video %d could not be scored, its reward is NaN (%s: %s)', i,
-                   type(e).__name__, _first_line(e))
 
   def scores(self, samples, prompts):
     """{'no_score', 'yes_score', 'yes_logit', 'no_logit'}: (M,) float32 each, NaN for videos that could

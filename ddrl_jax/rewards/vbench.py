@@ -88,6 +88,8 @@ import warnings
 
 import numpy as np
 
+from ddrl_jax.rewards import video_common
+
 logger = logging.getLogger(__name__)
 
 DIMENSIONS = ('subject_consistency', 'background_consistency', 'motion_smoothness', 'aesthetic_quality',
@@ -128,10 +130,6 @@ PIP = {'clip': 'pip install openai-clip==1.0.1', 'vbench': 'pip install --no-dep
 
 class WeightsError(ValueError):
   """A weights file that is there but cannot be used; the message is one line naming it and the dimension."""
-
-
-def _first_line(e):
-  return (str(e).strip().splitlines() or [''])[0][:200]
 
 
 # ---------------------------------------------------------------------------------------- imports
@@ -493,8 +491,7 @@ def read_checkpoint(path, dimension):
         raise
       return torch.load(path, map_location='cpu', weights_only=False)
   except Exception as e:  # pylint: disable=broad-except  (truncated zip, bad pickle, ...)
-    raise _unusable(dimension, path, f'cannot be read, truncated? ({type(e).__name__}: '
-                    f'{_first_line(e)})') from e
+    raise _unusable(dimension, path, f'cannot be read, truncated? ({video_common.describe(e)})') from e
 
 
 def tensor_dict(state, path, dimension, required=()):
@@ -534,8 +531,7 @@ def load_clip(path, device, dimension):
   try:
     model = clip_model.build_model(dict(state)).to(device)
   except (KeyError, RuntimeError, ValueError, IndexError) as e:
-    raise _unusable(dimension, path, f'is not an OpenAI CLIP checkpoint ({type(e).__name__}: '
-                    f'{_first_line(e)})') from e
+    raise _unusable(dimension, path, f'is not an OpenAI CLIP checkpoint ({video_common.describe(e)})') from e
   if torch.device(device).type == 'cpu':
     model.float()
   return model.eval()
@@ -563,7 +559,7 @@ def load_amt(path, device, dimension='motion_smoothness'):
   try:
     model.load_state_dict(tensor_dict(ckpt['state_dict'], path, dimension))
   except RuntimeError as e:
-    raise _unusable(dimension, path, f'does not fit AMT-S ({_first_line(e)})') from e
+    raise _unusable(dimension, path, f'does not fit AMT-S ({video_common.first_line(e)})') from e
   return model.to(device).eval()
 
 
@@ -676,15 +672,9 @@ SCORERS = {
 def check_videos(samples, prompts, dimensions):
   """`samples` as an array after checking it is (M, F, H, W, 3) uint8 with enough frames for `dimensions`
   (and M prompts when prompts are given)."""
-  samples = np.asarray(samples)
-  frames, side = max(MIN_FRAMES[d] for d in dimensions), max(MIN_SIDE[d] for d in dimensions)
-  if (samples.dtype != np.uint8 or samples.ndim != 5 or samples.shape[-1] != 3 or samples.shape[1] < frames
-      or min(samples.shape[2:4]) < side):
-    raise ValueError(f'vbench ({", ".join(dimensions)}) needs uint8 RGB videos (M, F, H, W, 3) with '
-                     f'F >= {frames} and H, W >= {side}, got {samples.dtype} {samples.shape}')
-  if prompts is not None and len(prompts) != samples.shape[0]:
-    raise ValueError(f'vbench: {len(prompts)} prompts for {samples.shape[0]} videos {samples.shape}')
-  return samples
+  return video_common.check_videos(samples, prompts, 'vbench', max(MIN_FRAMES[d] for d in dimensions),
+                                   max(MIN_SIDE[d] for d in dimensions),
+                                   label=f'vbench ({", ".join(dimensions)})', prompts_optional=True)
 
 
 class VBenchReward:
@@ -710,10 +700,7 @@ class VBenchReward:
     unknown = [d for d in self.dimensions if d not in DIMENSIONS]
     if unknown or not self.dimensions or len(set(self.dimensions)) != len(self.dimensions):
       raise ValueError(f'vbench: dimensions {self.dimensions}; choose distinct ones of {DIMENSIONS}')
-    if key != 'mean' and key not in self.dimensions:
-      raise ValueError(f'vbench: key {key!r}; known: {("mean",) + self.dimensions}')
-    if int(batch_size) < 1:
-      raise ValueError(f'vbench: batch_size {batch_size} < 1')
+    video_common.check_options(key, ('mean',) + self.dimensions, batch_size, 'vbench')
     self.key, self.device, self.batch_size = key, str(device), int(batch_size)
     self.weights_dir = os.path.abspath(os.path.expanduser(weights_dir or default_weights_dir()))
     self.paths = {d: weight_paths(d, self.weights_dir) for d in self.dimensions}
@@ -724,22 +711,24 @@ class VBenchReward:
   def scores(self, samples, prompts=None):
     """{'mean' and each dimension: (M,) float32} for (M, F, H, W, 3) uint8 videos; NaN where a video
     could not be scored."""
-    import torch  # pylint: disable=g-import-not-at-top
     samples = check_videos(samples, prompts, self.dimensions)
-    out = {}
-    for dimension in self.dimensions:
-      model = self.model(dimension)      # a weights problem raises here, for every video alike
-      column = np.full((samples.shape[0],), np.nan)
-      for i, video in enumerate(samples):
-        try:
-          with torch.no_grad():
-            column[i] = SCORERS[dimension](model, video, self.device, self.batch_size)
-        except Exception as e:  # pylint: disable=broad-except
-          logger.warning('vbench %s: video %d could not be scored, its score is NaN (%s: %s)', dimension, i,
-                         type(e).__name__, _first_line(e))
-      out[dimension] = column
+    out = {dimension: self._column(dimension, samples) for dimension in self.dimensions}
     out['mean'] = np.mean([out[d] for d in self.dimensions], axis=0)
     return {k: v.astype(np.float32) for k, v in out.items()}
+
+  def _column(self, dimension, samples):
+    """(M,) float64 scores of one dimension for (M, F, H, W, 3) samples, one video at a time under
+    torch.no_grad; NaN, with a logged warning, for a video whose scoring raises."""
+    import torch  # pylint: disable=g-import-not-at-top
+    model = self.model(dimension)      # a weights problem raises here, for every video alike
+
+    def score(i):
+      with torch.no_grad():
+        return SCORERS[dimension](model, samples[i], self.device, self.batch_size)
+
+    warn = lambda i, e: video_common.warn_unscored(logger, f'vbench {dimension}', i, e, 'score')
+    return video_common.score_each(np.full((samples.shape[0],), np.nan), range(samples.shape[0]), score,
+                                   warn)
 
   def __call__(self, samples, prompts):
     return self.scores(samples, prompts)[self.key]

@@ -57,6 +57,8 @@ import re
 
 import numpy as np
 
+from ddrl_jax.rewards import video_common
+
 logger = logging.getLogger(__name__)
 
 DIMS = ('VQ', 'MQ', 'TA')
@@ -77,6 +79,14 @@ MAX_ASPECT = 200
 # Qwen2-VL's image processor defaults (OpenAI CLIP); load_model takes the base model's preprocessor values.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+class CheckpointError(video_common.CheckpointError):
+  """A VideoAlign checkpoint that cannot be used; the message is one line naming the file."""
+
+
+# _fail(path, what) raises CheckpointError('videoalign checkpoint <path>: <what>').
+_fail = functools.partial(video_common.fail, 'videoalign', error=CheckpointError)
 
 
 # ------------------------------------------------------------------------------------------ frames
@@ -137,6 +147,11 @@ def sampling_plan(num_total, height, width, video_fps, sample_fps=SAMPLE_FPS, mi
   """(frame indices (n,), (h, w)) the reward reads from a num_total x height x width video."""
   n = num_frames(num_total, video_fps, sample_fps)
   return frame_indices(num_total, n), smart_resize(height, width, factor, min_pixels, max_pixels)
+
+
+def check_videos(samples, prompts):
+  """`samples` as an array after checking it is (M, F, H, W, 3) uint8 with M prompts."""
+  return video_common.check_videos(samples, prompts, 'videoalign')
 
 
 def patchify(frames, mean, std, patch=14, temporal_patch=2, merge=2):
@@ -219,8 +234,7 @@ def load_template(prompt_template=None):
 
 def build_prompt(prompt, template=RUBRIC):
   """The rubric with the user's prompt in its Text Alignment block (plain substitution, no str.format)."""
-  if not isinstance(prompt, str):
-    raise ValueError(f'videoalign: prompt {prompt!r} is not a string')
+  video_common.check_prompt(prompt, 'videoalign')
   return template.replace(PROMPT_FIELD, prompt)
 
 
@@ -253,39 +267,18 @@ def score_table(raw, norm=None):
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
-class CheckpointError(ValueError):
-  """A VideoAlign checkpoint that cannot be used; the message is one line naming the file."""
-
-
-def _fail(path, what):
-  raise CheckpointError(f'videoalign checkpoint {path}: {what}')
-
-
-def _first_line(e):
-  return (str(e).strip().splitlines() or [''])[0][:200]
-
-
 def read_model_config(checkpoint_dir):
   """model_config.json of a VideoAlign checkpoint directory, as a dict."""
-  if not os.path.isdir(checkpoint_dir):
-    _fail(checkpoint_dir, 'no such directory')
+  video_common.require_dir(checkpoint_dir, _fail)
   path = os.path.join(checkpoint_dir, 'model_config.json')
-  if not os.path.isfile(path):
-    _fail(path, 'missing (the released layout has model_config.json beside checkpoint-*/)')
-  try:
-    with open(path, encoding='utf-8') as f:
-      cfg = json.load(f)
-  except (OSError, ValueError) as e:
-    _fail(path, f'cannot be read ({type(e).__name__}: {_first_line(e)})')
-  if not isinstance(cfg, dict):
-    _fail(path, 'is not a JSON object')
-  return cfg
+  video_common.require_file(path, _fail, 'missing (the released layout has model_config.json beside '
+                            'checkpoint-*/)')
+  return video_common.read_json(path, _fail)
 
 
 def find_checkpoint(checkpoint_dir, step=None):
   """The checkpoint-<step> folder: the given step, else the highest step (numerically)."""
-  if not os.path.isdir(checkpoint_dir):
-    _fail(checkpoint_dir, 'no such directory')
+  video_common.require_dir(checkpoint_dir, _fail)
   steps = {}
   for path in glob.glob(os.path.join(checkpoint_dir, 'checkpoint-*')):
     tail = os.path.basename(path)[len('checkpoint-'):]
@@ -305,7 +298,7 @@ def _load_torch(path):
   try:
     state = torch.load(path, map_location='cpu', weights_only=True)
   except Exception as e:  # pylint: disable=broad-except  (truncated zip, pickle errors, ...)
-    _fail(path, f'cannot be read ({type(e).__name__}: {_first_line(e)})')
+    _fail(path, f'cannot be read ({video_common.describe(e)})')
   return _check_state(path, state)
 
 
@@ -314,7 +307,7 @@ def _load_safetensors(path):
   try:
     state = load_file(path, device='cpu')
   except Exception as e:  # pylint: disable=broad-except
-    _fail(path, f'cannot be read ({type(e).__name__}: {_first_line(e)})')
+    _fail(path, f'cannot be read ({video_common.describe(e)})')
   return _check_state(path, state)
 
 
@@ -378,11 +371,7 @@ def lora_scale(checkpoint_path, model_config):
   model_config.json's peft_lora_config."""
   path = os.path.join(checkpoint_path, 'adapter_config.json')
   if os.path.isfile(path):
-    try:
-      with open(path, encoding='utf-8') as f:
-        cfg = json.load(f)
-    except (OSError, ValueError) as e:
-      _fail(path, f'cannot be read ({type(e).__name__}: {_first_line(e)})')
+    cfg = video_common.load_json(path, _fail)
     if cfg.get('rank_pattern') or cfg.get('alpha_pattern'):
       _fail(path, 'uses per-module rank_pattern/alpha_pattern, which this loader does not merge')
     r, alpha, rs = cfg.get('r'), cfg.get('lora_alpha'), cfg.get('use_rslora', False)
@@ -406,8 +395,8 @@ def read_checkpoint(checkpoint_path, model_config=None):
     return 'full', plain, lora, (lora_scale(checkpoint_path, model_config) if lora else 1.0)
   if not os.path.isfile(adapter):
     _fail(checkpoint_path, 'holds neither model.pth nor adapter_model.safetensors')
-  if not os.path.isfile(non_lora):
-    _fail(non_lora, 'missing (a LoRA checkpoint needs it beside adapter_model.safetensors)')
+  video_common.require_file(non_lora, _fail, 'missing (a LoRA checkpoint needs it beside '
+                            'adapter_model.safetensors)')
   plain_a, lora = split_lora(adapter, _load_safetensors(adapter))
   plain, lora_b = split_lora(non_lora, _load_torch(non_lora))
   if lora_b:
@@ -510,57 +499,41 @@ def add_reward_tokens(model, tokenizer, output_dim):
 
 
 def torch_dtype(name):
-  import torch  # pylint: disable=g-import-not-at-top
-  dtypes = {'bfloat16': torch.bfloat16, 'float32': torch.float32, 'float16': torch.float16}
-  if name not in dtypes:
-    raise ValueError(f'videoalign: dtype {name!r}; known: {sorted(dtypes)}')
-  return dtypes[name]
+  """The torch dtype called `name` ('bfloat16', 'float32' or 'float16'); ValueError otherwise."""
+  return video_common.torch_dtype(name, 'videoalign')
 
 
-class VideoAlignModel:
+class VideoAlignModel(video_common.QwenVideoModel):
   """The reward model of one checkpoint, with its tokenizer and pixel settings (see `load_model`).
 
   `raw(videos, prompts)`: a list of (n, 3, h, w) float 0..255 frame tensors (one video each, from
   `resize_frames`) and their prompts -> (B, 3) float64 raw VQ, MQ, TA."""
 
+  reward = 'videoalign'
+
   def __init__(self, model, tokenizer, special_ids, model_config, mean=CLIP_MEAN, std=CLIP_STD,
                template=RUBRIC):
-    self.model, self.tokenizer, self.special_ids = model, tokenizer, special_ids
+    super().__init__(model, tokenizer)
+    self.special_ids = special_ids
     self.model_config = model_config or {}
     self.mean, self.std, self.template = tuple(mean), tuple(std), template
-    vision = model.config.vision_config
-    self.patch, self.temporal_patch = vision.patch_size, vision.temporal_patch_size
-    self.merge = vision.spatial_merge_size
-    self.video_token = tokenizer.convert_ids_to_tokens(model.config.video_token_id)
-    tokenizer.padding_side = 'right'
-    self.device = next(model.parameters()).device
+
+  def video_rows(self, frames):
+    """(n, 3, h, w) float 0..255 frames -> Qwen2-VL's patch rows and grid (see `patchify`)."""
+    return patchify(frames, self.mean, self.std, self.patch, self.temporal_patch, self.merge)
+
+  def chat_text(self, prompt):
+    """The prompt as text: the chat template on chat_messages of the rubric holding it, with the
+    generation prompt."""
+    return self.tokenizer.apply_chat_template(chat_messages(build_prompt(prompt, self.template)),
+                                              tokenize=False, add_generation_prompt=True)
 
   def inputs(self, videos, prompts):
     """The model's keyword inputs for a batch (the processor's job in the reference)."""
-    import torch  # pylint: disable=g-import-not-at-top
-    pixels, grids, texts = [], [], []
-    for frames, prompt in zip(videos, prompts):
-      rows, grid = patchify(frames, self.mean, self.std, self.patch, self.temporal_patch, self.merge)
-      text = self.tokenizer.apply_chat_template(chat_messages(build_prompt(prompt, self.template)),
-                                                tokenize=False, add_generation_prompt=True)
-      if text.count(self.video_token) != 1:
-        raise ValueError(f'videoalign: the chat text holds {text.count(self.video_token)} '
-                         f'{self.video_token} tokens, not one')
-      tokens = grid[0] * grid[1] * grid[2] // self.merge**2
-      texts.append(text.replace(self.video_token, self.video_token * tokens))
-      pixels.append(rows)
-      grids.append(grid)
-    batch = self.tokenizer(texts, padding=True, return_tensors='pt')
-    return dict(input_ids=batch['input_ids'].to(self.device),
-                attention_mask=batch['attention_mask'].to(self.device),
-                pixel_values_videos=torch.cat(pixels).to(self.device),
-                video_grid_thw=torch.tensor(grids, dtype=torch.long, device=self.device))
+    return self.video_inputs(videos, prompts, self.chat_text)
 
   def raw(self, videos, prompts):
-    import torch  # pylint: disable=g-import-not-at-top
-    with torch.inference_mode():
-      out = raw_rewards(self.model, self.special_ids, **self.inputs(videos, prompts))
-    return out.float().cpu().numpy().astype(np.float64)
+    return self.run(lambda: raw_rewards(self.model, self.special_ids, **self.inputs(videos, prompts)))
 
 
 def _chat_template(tokenizer, base_model):
@@ -615,17 +588,6 @@ def shared_model(checkpoint, base_model, device, dtype, step, attn_implementatio
 
 
 # ------------------------------------------------------------------------------------------ reward
-def check_videos(samples, prompts):
-  """`samples` as an array after checking it is (M, F, H, W, 3) uint8 with M prompts."""
-  samples = np.asarray(samples)
-  if samples.dtype != np.uint8 or samples.ndim != 5 or samples.shape[-1] != 3:
-    raise ValueError(f'videoalign needs uint8 RGB videos (M, F, H, W, 3), got {samples.dtype} '
-                     f'{samples.shape}')
-  if len(prompts) != samples.shape[0]:
-    raise ValueError(f'videoalign: {len(prompts)} prompts for {samples.shape[0]} videos {samples.shape}')
-  return samples
-
-
 class VideoAlignReward:
   """reward(samples, prompts) -> (M,) float32 VideoAlign scores of (M, F, H, W, 3) uint8 videos.
 
@@ -650,10 +612,7 @@ class VideoAlignReward:
   def __init__(self, checkpoint, base_model=None, device='cpu', dtype='bfloat16', key='mean', fps=16.0,
                batch_size=1, sample_fps=None, max_pixels=None, min_pixels=MIN_PIXELS, normalize=True,
                prompt_template=None, step=None, attn_implementation='sdpa'):
-    if key not in KEYS:
-      raise ValueError(f'videoalign: key {key!r}; known: {KEYS}')
-    if int(batch_size) < 1:
-      raise ValueError(f'videoalign: batch_size {batch_size} < 1')
+    video_common.check_options(key, KEYS, batch_size, 'videoalign')
     torch_dtype(dtype)
     self.key, self.fps, self.batch_size = key, float(fps), int(batch_size)
     self.vam = shared_model(os.path.abspath(checkpoint), base_model, device, dtype, step,
@@ -670,42 +629,21 @@ class VideoAlignReward:
 
   def plan(self, samples):
     """(frame indices, (h, w)) for (M, F, H, W, 3) samples; ValueError when no plan fits them."""
-    _, f, h, w, _ = samples.shape
     factor = self.vam.patch * self.vam.merge
-    try:
-      return sampling_plan(f, h, w, self.fps, self.sample_fps, self.min_pixels, self.max_pixels, factor)
-    except ValueError as e:
-      raise ValueError(f'{e} (videos {samples.shape})') from e
+    return video_common.video_plan(samples, lambda f, h, w: sampling_plan(
+        f, h, w, self.fps, self.sample_fps, self.min_pixels, self.max_pixels, factor))
 
   def raw(self, samples, prompts):
     """(M, 3) float64 raw logits; NaN rows for videos that could not be scored."""
     samples = check_videos(samples, prompts)
     idx, (h, w) = self.plan(samples)
-    out = np.full((samples.shape[0], 3), np.nan)
-    for start in range(0, samples.shape[0], self.batch_size):
-      chunk = range(start, min(start + self.batch_size, samples.shape[0]))
-      try:
-        out[start:chunk.stop] = self._score(samples, prompts, chunk, idx, h, w)
-        continue
-      except Exception as e:  # pylint: disable=broad-except
-        if len(chunk) == 1:
-          self._warn(chunk[0], e)
-          continue
-      for i in chunk:     # find the videos that failed the batch
-        try:
-          out[i] = self._score(samples, prompts, [i], idx, h, w)
-        except Exception as e:  # pylint: disable=broad-except
-          self._warn(i, e)
-    return out
+    return video_common.score_batches(samples.shape[0], self.batch_size, 3,
+                                      lambda which: self._score(samples, prompts, which, idx, h, w),
+                                      functools.partial(video_common.warn_unscored, logger, 'videoalign'))
 
   def _score(self, samples, prompts, which, idx, h, w):
     videos = [resize_frames(samples[i][idx], h, w) for i in which]
     return self.vam.raw(videos, [prompts[i] for i in which])
-
-  @staticmethod
-  def _warn(i, e):
-    logger.warning('videoalign: video %d could not be scored, its reward is NaN (%s: %s)', i,
-                   type(e).__name__, _first_line(e))
 
   def scores(self, samples, prompts):
     """{'vq', 'mq', 'ta', 'mean', 'sum'}: (M,) float32 each, NaN for videos that could not be scored."""

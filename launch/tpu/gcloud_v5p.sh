@@ -43,7 +43,10 @@ Options (--opt=value or --opt value):
   --poll-seconds=N        queued-resource poll interval (default: 60)
   --dry-run               print every command (lines starting with '+ '), run nothing
   -h, --help              this text
-Everything after `--` is passed to ddrl_jax.train (e.g. -- --config.num_iterations=2).
+Everything after `--` is passed to ddrl_jax.train (e.g. -- --config.num_iterations=2). With
+-- --config.reward.backend=redis --config.reward.redis_url=URL (a reward pool elsewhere, e.g.
+launch/tpu/gcloud_reward_pool.sh) the pool's bearer token, $DDRL_REWARD_TOKEN here (required then), is
+copied to every host (~/.ddrl_reward_token, by scp, never on a command line) and exported for the trainer.
 Needs: gcloud (authenticated), and python3 with this repository's requirements on the launching
 machine (launch/render.py reads the config's mesh).
 EOF
@@ -146,6 +149,16 @@ if [[ $CAPACITY != on-demand || -n $VALID_UNTIL ]]; then
 fi
 [[ -z $VALID_UNTIL ]] || QR_FLAGS+=(--valid-until-duration="$VALID_UNTIL")
 WORKDIR=${WORKDIR%/}
+REDIS_REWARDS=0     # the train flags ask for the Redis reward backend: the hosts need the bearer token
+for ((i = 0; i < ${#EXTRA[@]}; i++)); do
+  case ${EXTRA[i]} in
+    --config.reward.backend=redis) REDIS_REWARDS=1 ;;
+    --config.reward.backend) [[ ${EXTRA[i + 1]:-} == redis ]] && REDIS_REWARDS=1 ;;
+  esac
+done
+if ((REDIS_REWARDS)) && [[ -z ${DDRL_REWARD_TOKEN:-} ]]; then
+  die "--config.reward.backend=redis needs DDRL_REWARD_TOKEN: export the reward servers' bearer token (the value given to launch/tpu/gcloud_reward_pool.sh or launch/gpu/reward_pool.sbatch)"
+fi
 
 # Devices of the mesh -> slice (launch/render.py; exits 2 naming what does not fit).
 RENDER_ARGS=(--config="$CONFIG" --require=tpu)
@@ -252,10 +265,24 @@ if ! ((SKIP_INSTALL)); then
   fi
 fi
 
-# 3. Training: the same command on every host, at once.
+# 3. Training: the same command on every host, at once. With the Redis reward backend, first the reward
+# servers' bearer token, as a file on every host that the train command exports.
+TOKEN_SETUP=''
+if ((REDIS_REWARDS)); then
+  if ((DRY_RUN)); then
+    token_file=${TMPDIR:-/tmp}/ddrl_reward_token.XXXXXX
+  else
+    token_file=$(mktemp "${TMPDIR:-/tmp}/ddrl_reward_token.XXXXXX")      # mode 600
+    trap 'rm -f "$token_file"' EXIT
+    printf '%s' "$DDRL_REWARD_TOKEN" > "$token_file"
+  fi
+  run gcloud compute tpus tpu-vm scp "$token_file" "$NAME:.ddrl_reward_token" "${GC[@]}" --worker=all
+  # shellcheck disable=SC2016  # expanded by the hosts' shell
+  TOKEN_SETUP='chmod 600 ~/.ddrl_reward_token && export DDRL_REWARD_TOKEN="$(cat ~/.ddrl_reward_token)" && '
+fi
 TRAIN=(-m ddrl_jax.train --config="$R_CONFIG" --workdir="$WORKDIR"
        --compilation_cache_dir="$WORKDIR/xla_cache" ${EXTRA[@]+"${EXTRA[@]}"})
 # shellcheck disable=SC2088  # the ~ is for the host's shell, like the other ~ paths
 TRAIN_LINE='~/ddrl_venv/bin/python'
 for a in "${TRAIN[@]}"; do TRAIN_LINE+=" $(q "$a")"; done
-ssh_all "cd ~/ddrl_jax && export LIBTPU_INIT_ARGS=$(q "$LIBTPU") && $TRAIN_LINE"
+ssh_all "cd ~/ddrl_jax && ${TOKEN_SETUP}export LIBTPU_INIT_ARGS=$(q "$LIBTPU") && $TRAIN_LINE"
