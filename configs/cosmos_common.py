@@ -1,7 +1,7 @@
 """The DDRL recipe of cosmos-rl's Cosmos-Predict2.5 configs, shared by configs/cosmos2b.py and cosmos14b.py.
 
-Values: docs/reference/ddrl_in_cosmos_rl.md sections 1-3 and 6
-(configs/cosmos-predict2-5/cosmos-predict2-5-{2b,14b}-720-reason-embedding-ddrl.toml).
+Values: nvidia-cosmos/cosmos-rl,
+configs/cosmos-predict2-5/cosmos-predict2-5-{2b,14b}-720-reason-embedding-ddrl.toml.
 
 ``:smoke`` keeps the architecture and the recipe but shrinks the model (tiny DiT, tiny Wan VAE with the
 real 16 latent channels), the video (5 frames = 2 latent frames, 32x32 px), the sampler (T = 4, trained
