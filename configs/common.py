@@ -25,6 +25,9 @@ def base_config():
   c.eval_video_fps = 8          # their frame rate (and the TensorBoard GIF's)
   c.max_nonfinite_steps = 3     # this many updates in a row with a non-finite loss/params: stop
   c.checkpoint_checksums = True # record each checkpoint's file sizes and sha256 (checked on resume)
+  # True (full-size presets): refuse to start, in one line, while the weights, data or reward models the
+  # task lists are missing (ddrl_jax/preflight.py); False runs with random weights.
+  c.require_inputs = False
 
   c.sampler = ml_collections.ConfigDict(dict(
       kind='',                  # '' = the algorithm's default (ddrl: cosmos_2ab, flow_grpo: flow_sde, ...)

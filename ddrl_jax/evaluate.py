@@ -1,4 +1,19 @@
-"""Evaluate a checkpoint of the OCR task: ``python -m ddrl_jax.evaluate --config=... --checkpoint=...``.
+"""Evaluate a checkpoint: ``python -m ddrl_jax.evaluate --config=... --checkpoint=...``.
+
+Video (config.task 'video', Cosmos-Predict2.5; tasks/video_eval.py): the paper's PAI-Bench evaluation on a
+prompt file with categories (prompt, category, optional first frame for image-to-video):
+
+  python -m ddrl_jax.evaluate --config=configs/cosmos2b.py --checkpoint=/runs/ddrl \
+      --prompt_file=paibench.jsonl --baseline=base --out=/runs/ddrl/eval
+
+samples every prompt at config.sampler.eval_num_steps (35) and config.cosmos.guidance_eval (7 for 2B),
+scores the videos with config.cosmos.eval_rewards (VideoAlign's VQ/MQ/TA/mean/sum, VBench's five
+dimensions and mean) per category, mode (t2v/i2v) and overall, for the checkpoint and, with --baseline
+(e.g. 'base'), for a second model on the same seeds; writes table.md, one JSON line per model to
+evaluation.jsonl, MP4s of the first --videos_per_category prompts of each category, base|trained
+side-by-side MP4s and grid.png. --max_prompts cuts the file for a quick look.
+
+OCR (the rest of this docstring):
 
   python -m ddrl_jax.evaluate --config=configs/ocr_tiny.py --checkpoint=base
   python -m ddrl_jax.evaluate --config=configs/ocr_tiny.py --checkpoint=/tmp/ocr_ddrl [--ema]
@@ -221,6 +236,18 @@ def load_samples(path):
 def _define_flags():
   """Defined only when run as a script, so importing this module adds no global absl flags."""
   global _CONFIG, _CHECKPOINT, _EMA, _OUT, _PROMPTS, _PER_PROMPT
+  global _PROMPT_FILE, _BASELINE, _MAX_PROMPTS, _PER_CATEGORY, _JUDGES, _SEED, _BATCH
+  _PROMPT_FILE = flags.DEFINE_string('prompt_file', '', 'Video: prompt file (default config.cosmos.'
+                                     'eval_prompts): JSONL of prompt, category, optional first_frame.')
+  _BASELINE = flags.DEFINE_string('baseline', '', "Video: a second model on the same seeds ('base', a "
+                                  'workdir or an export), shown side by side.')
+  _MAX_PROMPTS = flags.DEFINE_integer('max_prompts', 0, 'Video: only the first this many prompts (0: all).')
+  _PER_CATEGORY = flags.DEFINE_integer('videos_per_category', 2, 'Video: MP4s of this many prompts per '
+                                       'category.')
+  _JUDGES = flags.DEFINE_list('judges', None, 'Video: rewards to score with (default '
+                              'config.cosmos.eval_rewards; kwargs from config.reward.kwargs).')
+  _SEED = flags.DEFINE_integer('seed', 0, 'Video: sampling seed.')
+  _BATCH = flags.DEFINE_integer('batch', 0, 'Video: prompts per sampling call (0: the data-parallel size).')
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'The OCR task config.')
   _CHECKPOINT = flags.DEFINE_string('checkpoint', 'base', "'base', a trainer workdir or an export.")
   _EMA = flags.DEFINE_bool('ema', False, 'Use the EMA parameters of a trainer workdir.')
@@ -229,10 +256,79 @@ def _define_flags():
   _PER_PROMPT = flags.DEFINE_integer('per_prompt', 4, 'Samples per held-out string.')
 
 
+def evaluation_inputs(config, judges, prompt_file):
+  """One-line problems with what a video evaluation reads: the model's weights (as the task lists them,
+  less the training records and the prompt file given here), the prompt file, the judges' files."""
+  from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
+  from ddrl_jax.rewards import registry  # pylint: disable=g-import-not-at-top
+  task = tasks.get_task(config)
+  inputs = [i for i in task.required_inputs() if i.key not in ('data.path', 'cosmos.eval_prompts')]
+  inputs.append(preflight.Input('cosmos.eval_prompts', prompt_file, 'the prompt file (--prompt_file)'))
+  found = [p for p in (i.problem() for i in inputs) if p] if config.get('require_inputs') else \
+      [p for p in [inputs[-1].problem()] if p]
+  kwargs = config.reward.get('kwargs') or {}
+  for name in judges:
+    found += registry.input_problems(name, dict(kwargs.get(name) or {}))
+  return found
+
+
+def main_video(config, ckpt):
+  """The video evaluation of the module docstring; returns the JSON rows written."""
+  from ddrl_jax.data import prompt_file as prompt_file_lib  # pylint: disable=g-import-not-at-top
+  from ddrl_jax.tasks import video_eval  # pylint: disable=g-import-not-at-top
+  path = _PROMPT_FILE.value or config.cosmos.get('eval_prompts', '')
+  judges = list(_JUDGES.value or config.cosmos.get('eval_rewards', ()))
+  found = evaluation_inputs(config, judges, path)
+  if found:
+    raise cli.UsageError('the evaluation needs inputs it was not given: ' + '; '.join(found),
+                         'set them with --config.<key>=... or the flags named')
+  try:
+    entries = prompt_file_lib.read_prompt_file(path)
+  except prompt_file_lib.PromptFileError as e:
+    raise cli.UsageError(str(e), 'see ddrl_jax/data/prompt_file.py for the layouts') from e
+  entries = entries[:_MAX_PROMPTS.value] if _MAX_PROMPTS.value else entries
+  config.require_inputs = False          # checked above, less the training data
+  out_dir = _OUT.value or os.path.join(ckpt if os.path.isdir(ckpt) else '/tmp', 'evaluation')
+  judge_objs = video_eval.make_judges(config, judges)
+  rows, baseline_videos, trained_videos = [], None, None
+  for label, which in (('baseline', _BASELINE.value), ('checkpoint', ckpt)):
+    if not which:
+      continue
+    t0 = time.perf_counter()
+    task, apply_fn, params = load_params(config, which, _EMA.value and label == 'checkpoint')
+    summary, _, videos = video_eval.evaluate_prompt_file(
+        config, task, apply_fn, params, entries, judge_objs, seed=_SEED.value, batch=_BATCH.value)
+    if label == 'baseline':
+      baseline_videos = videos
+    else:
+      trained_videos = videos
+    columns = sorted(k for k in summary if '@' not in k and k not in ('finite_fraction',))
+    table = video_eval.table_markdown(summary, entries, columns, label=which)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, 'table.md'), 'a') as f:
+      f.write(f'\n### {label}: {which}\n\n{table}\n')
+    row = dict(model=label, checkpoint=which, ema=bool(_EMA.value and label == 'checkpoint'),
+               prompt_file=path, num_prompts=len(entries), seed=_SEED.value,
+               steps=int(config.sampler.get('eval_num_steps', 0) or config.sampler.num_steps),
+               guidance=float(config.cosmos.get('guidance_eval', 0.0)),
+               seconds=time.perf_counter() - t0, **summary)
+    with open(os.path.join(out_dir, 'evaluation.jsonl'), 'a') as f:
+      f.write(json.dumps(row) + '\n')
+    print(table)
+    rows.append(row)
+  video_eval.write_examples(out_dir, entries, video_eval.example_rows(entries, _PER_CATEGORY.value),
+                            trained_videos, config.eval_video_fps, baseline=baseline_videos)
+  print(json.dumps({'out': out_dir, 'rows': len(rows)}))
+  return rows
+
+
 def main(argv):
   del argv
   console.setup()
   config, ckpt = _CONFIG.value, _CHECKPOINT.value
+  if config.task == 'video':
+    main_video(config, ckpt)
+    return
   task, apply_fn, params = load_params(config, ckpt, _EMA.value)
   t0 = time.perf_counter()
   metrics, grid = evaluate_ocr(config, apply_fn, params, task, prompts=_PROMPTS.value,

@@ -18,6 +18,7 @@ from the root key and the step). Setting DDRL_EVENT_LOG=<file> appends each iter
 import json
 import logging
 import os
+import sys
 import time
 
 import jax
@@ -26,6 +27,7 @@ import numpy as np
 import tqdm
 
 from ddrl_jax import checkpoints as checkpoints_lib
+from ddrl_jax import cli
 from ddrl_jax import config as config_lib
 from ddrl_jax import console
 from ddrl_jax import distributed
@@ -35,6 +37,7 @@ from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import optim
 from ddrl_jax import parallel
 from ddrl_jax import preemption
+from ddrl_jax import preflight
 from ddrl_jax import rewards as rewards_lib
 from ddrl_jax import resume
 from ddrl_jax import rl as rl_lib
@@ -110,6 +113,9 @@ class Trainer:
   """Owns the mesh, task, jitted functions, checkpoints and metrics of one workdir."""
 
   def __init__(self, config, workdir, devices=None):
+    task = tasks.get_task(config)
+    # Missing weights, data or reward models stop here, in one line, before devices are touched.
+    preflight.check(config, task, cli.config_spec(sys.argv) or 'the config')
     devices = jax.devices() if devices is None else list(devices)
     config_lib.validate(config, len(devices))
     self.config = config
@@ -118,7 +124,7 @@ class Trainer:
       raise ValueError('jax_threefry_partitionable is off: sharded random draws would differ from '
                        'unsharded ones (and between meshes); leave it at its default (True)')
     self.mesh = parallel.make_mesh(config.mesh, devices)
-    self.task = tasks.get_task(config)
+    self.task = task
     self.plan = parallel.ShardingPlan.for_model(config, self.mesh, self.task.family)
     # Which rows of each batch this process holds (all of them with one process).
     self.layout = hosts.batch_layout(self.plan.batch(), self._data_sharding(config.batch_size),
@@ -480,11 +486,27 @@ class Trainer:
       else:
         mine = split.is_lead and hosts.local_values(samples, split.mine).reshape(
             (-1,) + self.task.sample_shape)
-        metrics = self.task.evaluate(mine, key, cond=my_cond) if split.is_lead else None
+        kwargs = dict(score=self._reward_scorer()) if getattr(
+            self.task, 'eval_scores_with_rewards', False) and split.is_lead else {}
+        metrics = self.task.evaluate(mine, key, cond=my_cond, **kwargs) if split.is_lead else None
         metrics = hosts.mean_over_leads(metrics, len(split.mine), split)
       out.update({f'{name}/{k}': v for k, v in metrics.items()})
       self.write_samples(name, it, samples, host_cond)
     return out
+
+  def _reward_scorer(self):
+    """fn(media, prompts) -> {reward name: (M,) scores}: the run's rewards (config.reward.fns) through its
+    reward service, NaN where a sample could not be scored (for tasks with `eval_scores_with_rewards`)."""
+    if self.rewards is None:
+      self.rewards = rewards_lib.make_reward_service(self.config.reward)
+    names = list(self.config.reward.fns)
+
+    def score(media, prompts):
+      result = self.rewards.submit(media, list(prompts)).result()
+      for message in result.errors[:5]:
+        logger.warning('evaluation reward: %s', message)
+      return dict(zip(names, result.matrix(names).T))
+    return score
 
   def write_samples(self, name, it, samples, cond, max_samples=32):
     """An image grid of the first evaluation samples (same conditions and seed at every evaluation),

@@ -87,7 +87,7 @@ VALIDATE = [
     ('ddrl', {'reward.fns': fns()}, 'config.reward.fns is empty'),
     ('ddrl', {'reward.fns': fns(nope=1.0)}, "config.reward.fns: unknown reward 'nope'"),
     ('ddrl', {'reward.fns': fns(linear=0.0)}, 'config.reward.fns.linear=0.0: weights must be > 0'),
-    ('ddrl', {'reward.kwargs': fns(ocr={})}, 'config.reward.kwargs names rewards not in'),
+    ('ddrl', {'reward.kwargs': fns(nope={})}, 'config.reward.kwargs names unknown rewards'),
     ('ddrl', {'reward.combine': 'max'}, "config.reward.combine='max'"),
     ('ddrl', {'reward.backend': 'http'}, "config.reward.backend='http'"),
     ('ddrl', {'reward.workers': -1}, 'config.reward.workers=-1: must be >= 0'),

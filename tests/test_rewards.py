@@ -209,9 +209,12 @@ def test_spec_from_config_names_bad_keys():
   with pytest.raises(ValueError, match='weights must be > 0'):
     rewards.RewardSpec.from_config(c)
   c.fns = ml_collections.ConfigDict({'ocr': 1.0})
-  c.kwargs = ml_collections.ConfigDict({'linear': {'w': (1.0,)}})
-  with pytest.raises(ValueError, match='not in config.reward.fns'):
+  c.kwargs = ml_collections.ConfigDict({'nope': {'w': (1.0,)}})
+  with pytest.raises(ValueError, match=r"names unknown rewards: \['nope'\]"):
     rewards.RewardSpec.from_config(c)
+  c.kwargs = ml_collections.ConfigDict({'ocr': {'upscale': 2}, 'linear': {'w': (1.0,)}})
+  spec = rewards.RewardSpec.from_config(c)      # a known reward's kwargs for evaluation: kept out
+  assert spec.names == ['ocr'] and spec.kwargs == {'ocr': {'upscale': 2}}
   c.kwargs = ml_collections.ConfigDict({'ocr': {'upscale': 2}})
   spec = rewards.RewardSpec.from_config(c)
   assert spec.names == ['ocr'] and spec.kwargs == {'ocr': {'upscale': 2}}

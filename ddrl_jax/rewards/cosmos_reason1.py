@@ -401,6 +401,19 @@ def load_model(checkpoint, device='cpu', dtype='bfloat16', attn_implementation='
   return CosmosReason1Model(model, tokenizer, template, processor_config)
 
 
+def input_problems(kwargs):
+  """One-line problems with CosmosReason1Reward(**kwargs)'s checkpoint folder, found without loading it."""
+  checkpoint = kwargs.get('checkpoint')
+  if not checkpoint:
+    return ['cosmos_reason1: config.reward.kwargs.cosmos_reason1.checkpoint is not set (a local folder of '
+            'nvidia/Cosmos-Reason1-7B-Reward)']
+  try:
+    checkpoint_files(os.path.abspath(os.path.expanduser(checkpoint)))
+  except (ValueError, OSError) as e:
+    return [str(e).splitlines()[0]]
+  return []
+
+
 @functools.lru_cache(maxsize=None)
 def shared_model(checkpoint, device, dtype, attn_implementation):
   """load_model, once per process for each set of arguments."""

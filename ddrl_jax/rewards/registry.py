@@ -36,6 +36,14 @@ BUILTIN = {
     'debug_gate': 'ddrl_jax.rewards.debug:Gate',
 }
 
+# What each reward with files needs, checked before a run builds anything (ddrl_jax.preflight):
+# module:function(kwargs) -> list of one-line problems.
+INPUT_CHECKS = {
+    'videoalign': 'ddrl_jax.rewards.videoalign:input_problems',
+    'vbench': 'ddrl_jax.rewards.vbench:input_problems',
+    'cosmos_reason1': 'ddrl_jax.rewards.cosmos_reason1:input_problems',
+}
+
 _REGISTERED = {}
 
 
@@ -72,3 +80,16 @@ def import_modules(modules):
   """Imports user modules that register rewards (run in the trainer and in every worker)."""
   for m in modules:
     importlib.import_module(m)
+
+
+def input_problems(name, kwargs):
+  """One-line problems with the files reward `name` needs under `kwargs` ([] when it needs none or they
+  are there); nothing is loaded."""
+  kwargs = dict(kwargs or {})
+  if name.startswith('vbench_') and name in BUILTIN:
+    kwargs['dimensions'] = (name[len('vbench_'):],)
+    name = 'vbench'
+  if name not in INPUT_CHECKS:
+    return []
+  module, attr = INPUT_CHECKS[name].split(':')
+  return getattr(importlib.import_module(module), attr)(kwargs)

@@ -56,9 +56,11 @@ class RewardSpec:
       if not float(w) > 0:
         raise ValueError(f'config.reward.fns.{name}={w!r}: weights must be > 0')
     kwargs = {k: dict(v) for k, v in dict(reward_config.kwargs).items()}
-    stray = sorted(set(kwargs) - set(fns))
+    # Kwargs of known rewards that do not train are allowed: evaluation scores with them (e.g. the Cosmos
+    # presets configure VideoAlign and VBench whichever one trains); an unknown name is a typo.
+    stray = sorted(set(kwargs) - set(known))
     if stray:
-      raise ValueError(f'config.reward.kwargs names rewards not in config.reward.fns: {stray}')
+      raise ValueError(f'config.reward.kwargs names unknown rewards: {stray}; known: {known}')
     if reward_config.combine not in COMBINE_MODES:
       raise ValueError(f'config.reward.combine={reward_config.combine!r}; known: {COMBINE_MODES}')
     return cls(weights={k: float(v) for k, v in fns.items()},

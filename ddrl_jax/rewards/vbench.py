@@ -475,6 +475,24 @@ def weight_paths(dimension, weights_dir):
   return tuple(paths)
 
 
+def input_problems(kwargs, dimensions=None):
+  """One-line problems with the weights files VBenchReward(**kwargs) (or one dimension's reward) needs,
+  found without loading them."""
+  dimensions = dimensions or kwargs.get('dimensions') or DIMENSIONS
+  dimensions = (dimensions,) if isinstance(dimensions, str) else tuple(dimensions)
+  weights_dir = os.path.abspath(os.path.expanduser(kwargs.get('weights_dir') or default_weights_dir()))
+  problems = []
+  for dimension in dimensions:
+    if dimension not in DIMENSIONS:
+      problems.append(f'vbench: unknown dimension {dimension!r}; known: {DIMENSIONS}')
+      continue
+    try:
+      weight_paths(dimension, weights_dir)
+    except FileNotFoundError as e:
+      problems.append(str(e) + ' (config.reward.kwargs.<reward>.weights_dir)')
+  return problems
+
+
 def _unusable(dimension, path, what):
   return WeightsError(f'vbench {dimension}: {path} {what}')
 

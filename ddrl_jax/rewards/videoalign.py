@@ -293,6 +293,20 @@ def find_checkpoint(checkpoint_dir, step=None):
   return steps[int(step)]
 
 
+def input_problems(kwargs):
+  """One-line problems with VideoAlignReward(**kwargs)'s checkpoint, found without loading it (the
+  trainer's preflight: a missing checkpoint stops a run before anything is built)."""
+  checkpoint = kwargs.get('checkpoint')
+  if not checkpoint:
+    return ['videoalign: config.reward.kwargs.videoalign.checkpoint is not set (the VideoReward release '
+            'folder, model_config.json + checkpoint-<step>/, e.g. KwaiVGI/VideoReward)']
+  try:
+    find_checkpoint(os.path.abspath(os.path.expanduser(checkpoint)), kwargs.get('step'))
+  except (ValueError, OSError) as e:
+    return [str(e).splitlines()[0]]
+  return []
+
+
 def _load_torch(path):
   import torch  # pylint: disable=g-import-not-at-top
   try:

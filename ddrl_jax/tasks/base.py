@@ -70,7 +70,13 @@ class Task(Protocol):
     """(M, *sample_shape) samples -> (what the reward service scores, valid (M,) bool)."""
 
   def evaluate(self, samples, key, cond=None) -> dict:
-    """{metric: float} of (M, *sample_shape) samples of `cond`."""
+    """{metric: float} of (M, *sample_shape) samples of `cond`. A task whose class sets
+    `eval_scores_with_rewards = True` also gets `score`, fn(reward inputs, prompts) -> {reward name: (M,)
+    scores}: the run's own rewards through the trainer's reward service."""
+
+  def required_inputs(self) -> list:
+    """The run's inputs (`preflight.Input`: config key, what it is, how to make it) that a full run
+    must be given; `preflight.check` refuses to start, in one line, while any is missing."""
 
   def batch_metrics(self, cond) -> dict:
     """{metric: float} describing one iteration's conditions (B, ...), logged with the step's metrics
@@ -120,6 +126,9 @@ class FamilyTask:
     return float(self.family.forward_flops(tuple(self.sample_shape)))
 
   # -------------------------------------------------------------------------------- defaults
+  def required_inputs(self):
+    return []
+
   def eval_conditions(self, key, batch):
     return self.conditions(key, batch)
 

@@ -29,10 +29,25 @@ Conditioned frames (frame replacement):
     counts in the mean, as in cosmos). In a rollout cosmos replaces x0_hat by gt directly
     (denoise_replace_gt_frames); the formula above gives the same x0_hat without knowing the noise.
 
-Data (config.cosmos.data == 'synthetic', the only source so far): a fixed set of videos of a coloured
-square moving over a dark background, each rendered with numpy from the item's seed; the motion and
-colour are those the paired prompt names. They are encoded once with the (randomly initialized or
-converted) Wan VAE and normalized, so the data term really trains on VAE latents of videos.
+Data (config.cosmos.data):
+  'records': the paper's setting. Captioned videos (and images) prepared once with `ddrl_jax.data.prepare`
+    into record shards at config.data.path; each record is one condition group (its prompt, its clean
+    latent, its first latent frame). T2V or I2V is drawn per group with config.cosmos.i2v_prob (0.5: the
+    paper's 1:1 mix); `batch_metrics` reports how many groups of each kind a batch held.
+  'synthetic' (`:smoke` only): a fixed set of videos of a coloured square moving over a dark background,
+    each rendered with numpy from the item's seed; the motion and colour are those the paired prompt names.
+    They are encoded once with the Wan VAE and normalized, so the data term really trains on VAE latents.
+
+Evaluation conditions: config.cosmos.eval_prompts, a prompt file with categories and optional first
+frames (`data.prompt_file`, PAI-Bench's shape): its first eval_samples entries (cycled), I2V where an
+entry names an image (encoded with the VAE as the conditioning latent frame), T2V otherwise; their
+cond['index'] is -(row + 1), so `prompts` tells them from the training prompts. Without a prompt file a
+synthetic run evaluates on its own square prompts. With config.cosmos.guidance_eval w > 0 evaluation
+samples with Cosmos' classifier-free guidance against config.cosmos.negative_prompt (diffusers' default
+negative prompt; `models.cosmos.family.make_video_apply_fn`); rollouts never use guidance (cosmos-rl's
+DDRL rollouts run at guidance 0). The trainer scores the evaluation videos with the run's own rewards
+through its reward service (`eval_scores_with_rewards`); `python -m ddrl_jax.evaluate` reports every
+reward column and every VBench dimension per category (tasks/video_eval.py).
 
 Text (config.cosmos.text):
   'reason1': Cosmos-Predict2.5's own conditioning, the Cosmos-Reason1-7B language model run in JAX
@@ -44,9 +59,9 @@ Text (config.cosmos.text):
     (not trained; a stand-in for `:smoke` runs without an encoder).
 
 Rewards: `reward_inputs` denormalizes and decodes the latents with the VAE (jitted) into uint8 videos
-(M, F, H, W, 3) and hands them, with each group's prompt, to the reward service (config.reward; the
-configs use rewards/basic.py's temporal smoothness, r = -mean |frame_{k+1} - frame_k| / 255, 0 for a
-static video). Samples whose latent or decode is not finite are marked invalid (reward NaN: the trainer
+(M, F, H, W, 3) and hands them, with each group's prompt, to the reward service (config.reward: the
+presets' VideoAlign or VBench, configs/cosmos_common.py; `:smoke` uses rewards/basic.py's temporal
+smoothness, r = -mean |frame_{k+1} - frame_k| / 255, 0 for a static video). Samples whose latent or decode is not finite are marked invalid (reward NaN: the trainer
 counts them as failed, advantage 0). There is no trainer hook to write decoded frames to the workdir
 yet, so this task writes none.
 """
@@ -76,6 +91,15 @@ PROMPTS = (
 )
 
 TEXT_KINDS = ('reason1', 'bytes')
+DATA_KINDS = ('records', 'synthetic')
+# diffusers' Cosmos2_5_PredictBasePipeline DEFAULT_NEGATIVE_PROMPT (its classifier-free guidance's null).
+NEGATIVE_PROMPT = (
+    'The video captures a series of frames showing ugly scenes, static with no motion, motion blur, '
+    'over-saturation, shaky footage, low resolution, grainy texture, pixelated images, poorly lit areas, '
+    'underexposed and overexposed scenes, poor color balance, washed out colors, choppy sequences, '
+    'jerky movements, low frame rate, artifacting, color banding, unnatural transitions, outdated special '
+    'effects, fake elements, unconvincing visuals, poorly edited content, jump cuts, visual noise, and '
+    'flickering. Overall, the video is of poor quality.')
 
 
 def vae_config(c):
@@ -120,6 +144,7 @@ class CosmosVideo(base.FamilyTask):
 
   DEFAULT_FAMILY = 'cosmos'
   capabilities = frozenset({'records', 'media', 'aot'})
+  eval_scores_with_rewards = True     # the trainer passes `evaluate` a scorer of the run's rewards
 
   def __init__(self, config):
     super().__init__(config)
@@ -136,6 +161,11 @@ class CosmosVideo(base.FamilyTask):
     self.text_dim = self.dit.crossattn_in or self.dit.context_dim
     if c.text not in TEXT_KINDS:
       raise ValueError(f'config.cosmos.text={c.text!r}; known: {TEXT_KINDS}')
+    if c.get('data', 'synthetic') not in DATA_KINDS:
+      raise ValueError(f'config.cosmos.data={c.data!r}; known: {DATA_KINDS}')
+    self._eval_table = None
+    self._null_text = None
+    self._encode_frame = None
     self._vae = None
     self._latents = None
     self._text = None
@@ -177,7 +207,8 @@ class CosmosVideo(base.FamilyTask):
     """(num_videos, 16, T, H, W) float32 normalized latents of the synthetic videos (host, cached)."""
     if self._latents is None:
       if self.c.data != 'synthetic':
-        raise ValueError(f'config.cosmos.data={self.c.data!r}: only synthetic is implemented')
+        raise ValueError(f"config.cosmos.data={self.c.data!r}: a records run's data come from "
+                         'config.data.path (the trainer reads them; there is no built-in dataset)')
       state, encode, _ = self._vae_fns()
       _, f, h, w = self.video_shape
       out = []
@@ -208,6 +239,67 @@ class CosmosVideo(base.FamilyTask):
     return dict(text=jnp.asarray(text), first_frame=jnp.asarray(first),
                 num_cond=jnp.asarray(num_cond), index=jnp.asarray(index))
 
+  def eval_conditions(self, key, batch):
+    """(B, ...) evaluation conditions: the prompt file's first B entries, else (synthetic runs) the
+    training draw; with guidance_eval > 0 also 'guidance' (B,) and 'null_text' (B, L, C)."""
+    if self.c.get('eval_prompts'):
+      cond = self.prompt_file_conditions(range(batch))
+    elif self.c.data == 'synthetic':
+      cond = self.conditions(key, batch)
+    else:
+      raise ValueError("config.cosmos.eval_prompts: a records run (config.cosmos.data='records') "
+                       'evaluates on a prompt file (prompt, category, optional first frame; '
+                       'ddrl_jax/data/prompt_file.py)')
+    return self.with_guidance(cond, float(self.c.get('guidance_eval', 0.0)))
+
+  def eval_table(self):
+    """The entries (`data.prompt_file.EvalPrompt`) of config.cosmos.eval_prompts (cached)."""
+    if self._eval_table is None:
+      from ddrl_jax.data import prompt_file  # pylint: disable=g-import-not-at-top
+      self._eval_table = prompt_file.read_prompt_file(self.c.eval_prompts)
+    return self._eval_table
+
+  def prompt_file_conditions(self, rows, table=None):
+    """Conditions (B, ...) of prompt-file rows (taken modulo its length): the text embedding, the first
+    frame's latent for I2V entries (zeros and num_cond 0 for T2V), index -(row + 1)."""
+    table = self.eval_table() if table is None else table
+    rows = [r % len(table) for r in rows]
+    entries = [table[r] for r in rows]
+    _, lh, lw = self.sample_shape[1:]
+    first = np.zeros((len(rows), self.sample_shape[0], 1, lh, lw), np.float32)
+    i2v = [i for i, e in enumerate(entries) if e.first_frame]
+    if i2v:
+      first[i2v] = self.encode_first_frames([entries[i].first_frame for i in i2v])
+    num_cond = np.asarray([1 if e.first_frame else 0 for e in entries], np.int32)
+    text = self.encode_prompts([e.prompt for e in entries])
+    return dict(text=jnp.asarray(text), first_frame=jnp.asarray(first), num_cond=jnp.asarray(num_cond),
+                index=jnp.asarray([-(r + 1) for r in rows], jnp.int32))
+
+  def with_guidance(self, cond, guidance):
+    """`cond` with Cosmos' classifier-free guidance at `guidance` (unchanged at 0): 'guidance' (B,) and
+    'null_text' (B, L, C), the embedding of config.cosmos.negative_prompt."""
+    if not guidance:
+      return cond
+    if self._null_text is None:
+      self._null_text = self.encode_prompts([self.c.get('negative_prompt', NEGATIVE_PROMPT)])[0]
+    b = cond['text'].shape[0]
+    return dict(cond, guidance=jnp.full((b,), guidance, jnp.float32),
+                null_text=jnp.broadcast_to(jnp.asarray(self._null_text), (b,) + self._null_text.shape))
+
+  def encode_first_frames(self, paths):
+    """(B, 16, 1, h, w) float32 normalized latents of the first frames of image (or video) files, each
+    centre-cropped and resized to the task's (H, W): the causal Wan VAE encodes frame 0 alone, so this
+    is latent frame 0 of any video that starts with it. Errors name the file (data.media.MediaError)."""
+    from ddrl_jax.data import media  # pylint: disable=g-import-not-at-top
+    state, encode, _ = self._vae_fns()
+    _, _, h, w = self.video_shape
+    out = []
+    for path in paths:
+      frame = media.center_crop_resize(media.load_media(path, max_frames=1)[0], h, w)
+      video = np.transpose(frame.astype(np.float32) / 127.5 - 1.0, (2, 0, 1))[None, :, None]
+      out.append(np.asarray(encode(state, jnp.asarray(video)), np.float32)[0])
+    return np.stack(out)
+
   def abstract_conditions(self, batch):
     """ShapeDtypeStructs of `conditions(key, batch)` (for ahead-of-time compiles; nothing is encoded)."""
     c, _, h, w = self.sample_shape
@@ -230,8 +322,10 @@ class CosmosVideo(base.FamilyTask):
     return u8.transpose(0, 2, 3, 4, 1), finite
 
   def prompts(self, cond):
-    """The prompt text of each condition (index into the built-in prompts)."""
-    return [PROMPTS[int(i) % len(PROMPTS)][0] for i in np.asarray(cond['index'])]
+    """The prompt text of each condition: index >= 0 into the built-in prompts, index -(row + 1) into
+    the evaluation prompt file."""
+    return [self.eval_table()[-int(i) - 1].prompt if i < 0 else PROMPTS[int(i) % len(PROMPTS)][0]
+            for i in np.asarray(cond['index'])]
 
   def reward_inputs(self, samples, cond):
     """(M, 16, T, H, W) final latents and their (M, ...) conditions -> what the reward service scores:
@@ -269,20 +363,64 @@ class CosmosVideo(base.FamilyTask):
                 num_cond=jnp.asarray(num_cond), index=jnp.arange(b, dtype=jnp.int32))
     return cond, jnp.asarray(x0)
 
+  def required_inputs(self):
+    """What a full run of this task needs (checked by `ddrl_jax.preflight` when config.require_inputs):
+    converted DiT and VAE weights, the Reason1 text encoder, the records and the evaluation prompts."""
+    from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
+    c, model = self.c, self.c.model
+    folder = '<diffusers Cosmos-Predict2.5 folder>'
+    out = [preflight.Input('cosmos.checkpoint', c.checkpoint, f'the converted {model} DiT',
+                           f'python -m ddrl_jax.models.convert --model={model} --source={folder}/transformer '
+                           '--out=<dir>'),
+           preflight.Input('cosmos.vae_checkpoint', c.vae_checkpoint, 'the converted Wan2.1 VAE',
+                           f'python -m ddrl_jax.models.convert --model=wan21_vae --source={folder}/vae '
+                           '--out=<dir>')]
+    if c.text == 'reason1':
+      out.append(preflight.Input('cosmos.text_encoder', c.get('text_encoder', ''),
+                                 'the Cosmos-Reason1 text encoder', f'{folder} (text_encoder/ + tokenizer/)'))
+    if c.data == 'records':
+      out.append(preflight.Input('data.path', self.config.data.path, 'captioned videos as record shards',
+                                 'python -m ddrl_jax.data.prepare --config=<this config> --text=none '
+                                 '--source=<videos + .txt captions> --out=<dir>'))
+      out.append(preflight.Input('cosmos.eval_prompts', c.get('eval_prompts', ''),
+                                 'the evaluation prompt file',
+                                 'JSONL of {"prompt", "category", "first_frame"}, PAI-Bench\'s shape'))
+    return out
+
   def batch_metrics(self, cond):
     """Groups of this process's batch by kind: cond_i2v (first frame given) and cond_t2v."""
     num_cond = np.asarray(cond['num_cond'])
     return dict(cond_i2v=float((num_cond > 0).sum()), cond_t2v=float((num_cond == 0).sum()))
 
-  def evaluate(self, samples, key, cond=None):
-    del key, cond
+  def evaluate(self, samples, key, cond=None, score=None):
+    """Metrics of (M, 16, T, H, W) evaluation samples of conditions `cond`.
+
+    score: fn(videos, prompts) -> {reward name: (M,) scores} (the trainer's: the run's rewards through its
+    reward service). Gives reward/<name> (mean over the finite scores), the same over the T2V and I2V
+    samples (reward/<name>/t2v, /i2v), and reward, the config.reward.fns-weighted sum of the means.
+    Without `score` (or `cond`), reward is the temporal smoothness of the videos.
+    """
+    del key
     samples = np.asarray(samples, np.float32)
     videos, finite = self.decode(samples)
-    r = np.where(finite, basic_rewards.TemporalSmoothness()(videos, None), np.nan)
-    ok = np.isfinite(r)
-    return dict(reward=float(r[ok].mean()) if ok.any() else float('nan'),
-                finite_fraction=float(ok.mean()),
-                latent_std=float(np.nanstd(samples)))
+    out = dict(finite_fraction=float(finite.mean()), latent_std=float(np.nanstd(samples)))
+    if score is None or cond is None:
+      r = np.where(finite, basic_rewards.TemporalSmoothness()(videos, None), np.nan)
+      ok = np.isfinite(r)
+      out['reward'] = float(r[ok].mean()) if ok.any() else float('nan')
+      return out
+    columns = score(videos, self.prompts(cond))
+    i2v = np.asarray(cond['num_cond']) > 0
+    weights = dict(self.config.reward.fns)
+    total = 0.0
+    for name, values in columns.items():
+      values = np.where(finite, np.asarray(values, np.float64), np.nan)
+      out[f'reward/{name}'] = _finite_mean(values)
+      out[f'reward/{name}/t2v'] = _finite_mean(values[~i2v])
+      out[f'reward/{name}/i2v'] = _finite_mean(values[i2v])
+      total += weights.get(name, 1.0) * out[f'reward/{name}']
+    out['reward'] = float(total)
+    return out
 
 
   # ---- record encoding (ddrl_jax.data.prepare / synthesize)
@@ -374,6 +512,11 @@ class CosmosVideo(base.FamilyTask):
     encoded = self._reason1_encoder().encode(prompts)
     self.num_truncated_prompts += encoded.num_truncated
     return np.asarray(encoded.embeddings, np.float32)
+
+
+def _finite_mean(values):
+  ok = np.isfinite(values)
+  return float(values[ok].mean()) if ok.any() else float('nan')
 
 
 TASK = CosmosVideo

@@ -49,23 +49,21 @@ def make_video_apply_fn(graphdef, cond_timestep):
   (B, 16, 1, H, W) and 'num_cond' (B,)} (a missing 'first_frame'/'num_cond' means text-to-video). The
   conditioned frame enters as its ground truth at time `cond_timestep`, and its velocity is
   (x_t - gt) / t, so every consumer's x0_hat = x_t - t v equals gt there (tasks/video.py).
+
+  Classifier-free guidance when cond also holds 'guidance' (B,) and 'null_text' (B, L, C) (the negative
+  prompt's embedding): v = v_cond + w (v_cond - v_null) with w = cond['guidance'], Cosmos-Predict2.5's
+  form (diffusers' Cosmos2_5_PredictBasePipeline: guidance 7 is w = 7, not the v_null + w (..) of SD3), one
+  forward of 2B. The conditioned frame's velocity is the same in both halves, so guidance leaves it. Which
+  conditions carry the keys is static (the pytree), so rollouts without them pay one forward.
   """
 
-  def apply_fn(params, x_t, t, cond):
-    # Rebuild the Variables at the current trace level: the sampler closes over params under jit and
-    # calls this inside vmap, where NNX refuses Variables created at the outer (jit) level.
-    params = jax.tree.map(lambda a: a, params)
-    model = nnx.merge(graphdef, params)
-    b, _, frames, h, w = x_t.shape
-    x_t = x_t.astype(jnp.float32)
-    t = jnp.reshape(t, (b,)).astype(jnp.float32)
-    context = cond['text']
-    first = cond.get('first_frame')
+  def velocity(model, x_t, t, context, first, num_cond):
+    b = x_t.shape[0]
     if first is None:
       num_cond = jnp.zeros((b,), jnp.int32)
       gt = jnp.zeros_like(x_t)
     else:
-      num_cond = jnp.reshape(cond['num_cond'], (b,)).astype(jnp.int32)
+      num_cond = jnp.reshape(num_cond, (b,)).astype(jnp.int32)
       gt = jnp.zeros_like(x_t).at[:, :, :first.shape[2]].set(first.astype(jnp.float32))
     x_in, mask = cosmos_dit.frame_replace(x_t, gt, num_cond)       # mask (B, 1, T, H, W)
     frame_on = mask[:, 0, :, 0, 0]                                  # (B, T)
@@ -74,6 +72,24 @@ def make_video_apply_fn(graphdef, cond_timestep):
     tb = t.reshape((b, 1, 1, 1, 1))
     v_cond = (x_t - gt) / tb
     return jnp.where(mask > 0, v_cond, v)
+
+  def apply_fn(params, x_t, t, cond):
+    # Rebuild the Variables at the current trace level: the sampler closes over params under jit and
+    # calls this inside vmap, where NNX refuses Variables created at the outer (jit) level.
+    params = jax.tree.map(lambda a: a, params)
+    model = nnx.merge(graphdef, params)
+    b = x_t.shape[0]
+    x_t = x_t.astype(jnp.float32)
+    t = jnp.reshape(t, (b,)).astype(jnp.float32)
+    first, num_cond = cond.get('first_frame'), cond.get('num_cond')
+    if 'guidance' not in cond:
+      return velocity(model, x_t, t, cond['text'], first, num_cond)
+    two = lambda a: None if a is None else jnp.concatenate([a, a])
+    both = velocity(model, two(x_t), two(t), jnp.concatenate([cond['text'], cond['null_text']]),
+                    two(first), two(num_cond))
+    v_cond, v_null = jnp.split(both, 2)
+    w = jnp.reshape(cond['guidance'], (b, 1, 1, 1, 1)).astype(jnp.float32)
+    return v_cond + w * (v_cond - v_null)
 
   return apply_fn
 
@@ -157,7 +173,9 @@ class CosmosVideoFamily(_CosmosBase):
 
   name = 'cosmos'
   section = 'cosmos'
-  resume_safe_keys = ('cosmos.checkpoint',)
+  # The base weights' source and the evaluation's prompts, guidance and judges: a resumed run may change them.
+  resume_safe_keys = ('cosmos.checkpoint', 'cosmos.eval_prompts', 'cosmos.guidance_eval',
+                      'cosmos.negative_prompt', 'cosmos.eval_rewards')
 
   def __init__(self, config):
     self.c = config.cosmos
