@@ -65,3 +65,21 @@ def test_smoke_run_with_reason1_text_videoalign_and_vbench_through_the_service(t
     assert np.isfinite(r['reward/videoalign']) and 0 < r['reward/vbench'] <= 1, r
     assert r['cond_i2v'] + r['cond_t2v'] == config.batch_size, r
   assert sum(r['cond_i2v'] for r in train) > 0 and sum(r['cond_t2v'] for r in train) > 0
+  evaluation, = [r for r in rows if 'eval/reward/videoalign' in r]   # the end's, scored by the service
+  for name in ('videoalign', 'vbench'):
+    assert np.isfinite(evaluation[f'eval/reward/{name}']), evaluation
+    assert np.isfinite(evaluation[f'eval/reward/{name}/t2v']) or np.isfinite(
+        evaluation[f'eval/reward/{name}/i2v']), evaluation
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('preset', ['dance_grpo_smoke', 'flow_grpo_smoke'])
+def test_baseline_presets_train_at_toy_size(tmp_path, preset):
+  """The Table 1 baselines' recipes (cosmos-rl's sampler, no data term; FlowGRPO with its KL to the
+  frozen base) run end to end on the stand-ins."""
+  config = cosmos2b.get_config(preset)
+  config.num_iterations = 1
+  trainer = trainer_lib.Trainer(config, str(tmp_path / 'run'))
+  last = trainer.train(progress=False)
+  assert np.isfinite(last['loss']) and 'data_loss' not in last, last
+  assert (trainer.state.ref_params is not None) == (preset == 'flow_grpo_smoke')
