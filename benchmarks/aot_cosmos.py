@@ -2,6 +2,8 @@
 
   cd /work/main && JAX_PLATFORMS=cpu python benchmarks/aot_cosmos.py [--out=benchmarks/aot_cosmos.jsonl]
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_cosmos.py --models=cosmos2b --lora_rank=32 --lora_alpha=64
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_cosmos.py --text=reason1 \
+      --out=benchmarks/aot_reason1.jsonl
 
 Needs libtpu (`pip install -e '.[aot]'`). For each model: the paper's mesh on its slice (all three
 functions, as `python -m ddrl_jax.aot` does), then ever smaller slices at the paper's batch (16 groups x 8
@@ -9,7 +11,10 @@ rollouts) with the same fsdp and context sizes and fewer data replicas (each chi
 slots), compiling `update` and `data_grads` (the largest functions) until one does not fit. Appends one
 JSON line per compile to --out (resumable: configurations already in the file are skipped). With
 --lora_rank, the same with LoRA adapters (config.lora: the default targets, the blocks' attention
-projections) and rows named '<model>+lora<rank>'.
+projections) and rows named '<model>+lora<rank>'. With --text=reason1, config.cosmos.text='reason1': the
+Cosmos-Reason1-7B text encoder stays on the chips (every row's resident and peak bytes count its FSDP-sharded
+bf16 parameters, `text_encoder_bytes`), the paper's slice also compiles its forward ('text_encoder'), and
+rows are named '<model>+reason1'.
 """
 import argparse
 import json
@@ -44,19 +49,25 @@ def main():
   parser.add_argument('--models', default='cosmos2b,cosmos14b')
   parser.add_argument('--lora_rank', type=int, default=0)
   parser.add_argument('--lora_alpha', type=float, default=0.0)
+  parser.add_argument('--text', default='', help="config.cosmos.text, e.g. 'reason1' (default: the config's)")
   args = parser.parse_args()
   done = _done(args.out)
   for base_model in args.models.split(','):
     module, slices = PLANS[base_model]
-    model = base_model + (f'+lora{args.lora_rank}' if args.lora_rank else '')
+    model = (base_model + (f'+lora{args.lora_rank}' if args.lora_rank else '')
+             + (f'+{args.text}' if args.text else ''))
     for i, (topology, mesh) in enumerate(slices):
       fns = aot.FUNCTIONS if i == 0 else ('update', 'data_grads')
+      if i == 0 and args.text == 'reason1':
+        fns += (aot.TEXT_ENCODER,)
       todo = [f for f in fns if (model, topology, f) not in done]
       if not todo:
         continue
       config = module.get_config()
       config.mesh.update(mesh)
       config.lora.update(rank=args.lora_rank, alpha=args.lora_alpha)
+      if args.text:
+        config.cosmos.text = args.text
       fits = True
       for row in aot.compile_report(config, topology, fns=todo):
         row['model'] = model

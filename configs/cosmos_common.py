@@ -172,6 +172,7 @@ def get_config(model, arg=''):
       num_videos=64,                 # data='synthetic' (smoke): moving-square videos
       text='reason1',                # Cosmos-Reason1 full_concat embeddings, computed online
       text_encoder='',               # diffusers Cosmos-Predict2.5 folder (text_encoder/, tokenizer/)
+      text_encoder_overrides=ml_collections.ConfigDict(),   # Qwen25TextConfig fields (aot without weights)
       text_batch=4,                  # prompts per Reason1 encoder call
       text_length=512,
       text_seed=2,

@@ -17,6 +17,13 @@ config's shapes: nothing is allocated and no weights are needed. For each functi
   peak_bytes), flops (cost_analysis: XLA counts a scan body once, so this is far below the real count),
   analytic_flops (the model family's forward_flops x the function's network passes, per chip), compile_s.
 
+A task that runs a text encoder on the training devices says so (the 'device_text_encoder' ability: its
+`device_text_encoder()`, e.g. the Cosmos task's Cosmos-Reason1-7B encoder, models.reason1_text.DeviceEncoder,
+bf16 and FSDP-sharded like the DiT): then a fourth function, 'text_encoder' (the encoder's sharded forward
+on one call's prompts), is compiled by default, with resident_bytes = the train state + the encoder's
+parameters + the ids, and every row carries `text_encoder_bytes`, the encoder's parameter bytes per chip,
+which stay on the chips while the step functions run and are added to their resident_bytes and peak_bytes.
+
 Each row's `attention` lists the attention kernels the lowered program really contains
 (models.attention.program_kernels: 'splash', 'cudnn', 'xla', and 'xla_short' for sequences under
 min_flash_len) and `attention_family` the kernel the model family names for the target platform; a
@@ -47,9 +54,13 @@ from ddrl_jax import xla_flags
 from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.rl import algorithms
+from ddrl_jax.parallel import rules as rules_lib
 from ddrl_jax.parallel import topology as topology_lib
 
-FUNCTIONS = ('rollout', 'data_grads', 'update')
+FUNCTIONS = ('rollout', 'data_grads', 'update')     # the trainer's step functions
+TEXT_ENCODER = 'text_encoder'                        # the task's on-device text encoder, when it has one
+ALL_FUNCTIONS = FUNCTIONS + (TEXT_ENCODER,)
+DEVICE_TEXT_ENCODER = 'device_text_encoder'          # the task ability (tasks/base.py `capabilities`)
 
 
 class KernelMismatch(ValueError):
@@ -63,7 +74,8 @@ def _define_flags():
   _TOPOLOGY = flags.DEFINE_string('topology', None, "A TPU slice (e.g. v5p-512) or 'cpu-N'.")
   _NUM_SLICES = flags.DEFINE_integer('num_slices', 1, 'Slices (multislice over DCN).')
   _OUT = flags.DEFINE_string('out', '', 'Also append the JSON lines to this file.')
-  _FNS = flags.DEFINE_list('fns', list(FUNCTIONS), f'Functions to compile, of {FUNCTIONS}.')
+  _FNS = flags.DEFINE_list('fns', [], f'Functions to compile, of {ALL_FUNCTIONS}; default: {FUNCTIONS}, '
+                           f'and {TEXT_ENCODER!r} when the task runs a text encoder on the devices.')
   _MARGIN = flags.DEFINE_float('margin', 0.0, 'Fail unless this fraction of HBM stays free.')
   _LOWER_ONLY = flags.DEFINE_bool('lower_only', False, 'Only lower each function and report the attention '
                                   'kernels its program holds (seconds instead of minutes; no memory).')
@@ -104,6 +116,14 @@ def abstract_inputs(config, plan, task, fns, state_shardings, abstract_state):
               update=(state, rollout, grads, key))
 
 
+def device_text_encoder(task):
+  """The text encoder the task runs on the training devices, or None. Asked of tasks that declare the
+  DEVICE_TEXT_ENCODER ability; their `device_text_encoder()` returns None (not in this config) or an object
+  like models.reason1_text.DeviceEncoder: forward(plan) -> a ShardedForward (fn, params / input_ids
+  shardings), abstract_inputs(forward), forward_flops() of one call, attention_kernel, describe()."""
+  return task.device_text_encoder() if DEVICE_TEXT_ENCODER in task.capabilities else None
+
+
 def per_device_bytes(tree):
   """Bytes one device holds of an abstract tree of sharded ShapeDtypeStructs (largest shard)."""
   total = 0
@@ -116,7 +136,10 @@ def per_device_bytes(tree):
 def resident_inputs(name, args):
   """What the trainer holds on device while `name` runs (its arguments, and for the rollout the state
   besides the parameters): rollout -> state + slot conditions; data_grads -> state + rollout + data;
-  update -> state + rollout + data + data gradient."""
+  update -> state + rollout + data + data gradient; text_encoder -> state + the encoder's params + ids
+  (the task encodes prompts between iterations)."""
+  if name == TEXT_ENCODER:
+    return (args['update'][0],) + args[TEXT_ENCODER]
   if name == 'rollout':
     return (args['update'][0], args['rollout'][1])
   if name == 'data_grads':
@@ -138,8 +161,9 @@ def network_passes(config, fn, remat):
   return grad * k
 
 
-def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_options=None, lower_only=False):
-  """Compiles `fns` for `topology`; yields one dict per function (see the module docstring). With
+def compile_report(config, topology, num_slices=1, fns=None, compiler_options=None, lower_only=False):
+  """Compiles `fns` for `topology`; yields one dict per function (see the module docstring). fns: of
+  ALL_FUNCTIONS; None: FUNCTIONS, and TEXT_ENCODER when the task runs a text encoder on the devices. With
   `lower_only`, stops after lowering: fn, topology, mesh, attention, attention_family, lower_s."""
   devices = topology_lib.topology_devices(topology, num_slices)
   platform = devices[0].platform
@@ -163,6 +187,31 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
   step_fns = trainer_lib.build_step_fns(config, plan, state_sh, apply_fn, trainer_lib.make_sampler(config),
                                         task.sample_shape, optimizer, task.cast_params)
   args = abstract_inputs(config, plan, task, step_fns, state_sh, abstract_state)
+  text_encoder = device_text_encoder(task)
+  fns = tuple(fns) if fns is not None else FUNCTIONS + ((TEXT_ENCODER,) if text_encoder else ())
+  unknown = [f for f in fns if f not in ALL_FUNCTIONS]
+  if unknown:
+    raise ValueError(f'unknown functions {unknown}; known: {ALL_FUNCTIONS}')
+  fn_of = {name: getattr(step_fns, name) for name in FUNCTIONS}
+  kernel_of = {}
+  text_bytes = 0          # the encoder's parameters, resident on every chip beside the train state
+  if text_encoder is not None:
+    # Each process encodes its own prompts on its own chips (tasks' on-device encoders: ShardingPlan.for_host),
+    # so the encoder is compiled for one host's devices, FSDP over them.
+    host = [d for d in devices if d.process_index == devices[0].process_index]
+    encoder = text_encoder.forward(parallel.ShardingPlan.for_host(config, host, family))
+    args[TEXT_ENCODER] = text_encoder.abstract_inputs(encoder)
+    fn_of[TEXT_ENCODER] = encoder.fn
+    kernel_of[TEXT_ENCODER] = text_encoder.attention_kernel
+    enc_params = args[TEXT_ENCODER][0]
+    text_bytes = per_device_bytes(enc_params)
+    enc_report = (rules_lib.assert_sufficiently_sharded(enc_params, encoder.params,
+                                                        plan.max_replicated_fraction)
+                  if plan.shards_params() else rules_lib.sharding_report(enc_params, encoder.params))
+  elif TEXT_ENCODER in fns:
+    raise config_lib.ConfigError(f'--fns={TEXT_ENCODER}: task {config.task!r} runs no text encoder on the '
+                                 f'training devices with this config (none declared by its '
+                                 f'{DEVICE_TEXT_ENCODER}())')
   hbm = topology_lib.hbm_bytes(topology)
   fwd = task.forward_flops_per_sample()
   slots = config.batch_size * config.num_rollouts
@@ -170,16 +219,17 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
   kernel = family.attention_kernel(platform)
   for name in fns:
     t0 = time.perf_counter()
-    lowered = getattr(step_fns, name).lower(*args[name])
+    lowered = fn_of[name].lower(*args[name])
     text = lowered.as_text(debug_info=True)
-    problems = attention_lib.check_program(text, kernel, platform)
+    expected = kernel_of.get(name, kernel)   # the encoder's causal attention is its own (XLA) kernel
+    problems = attention_lib.check_program(text, expected, platform)
     if problems:
       raise KernelMismatch(f'{name} lowered for {topology}: ' + '; '.join(problems))
     found = attention_lib.program_kernels(text)
     del text
     if lower_only:
       yield dict(fn=name, topology=topology, num_slices=num_slices, mesh=dict(mesh.shape), attention=found,
-                 attention_family=kernel, context_impl=plan.context_impl,
+                 attention_family=expected, context_impl=plan.context_impl,
                  lower_s=round(time.perf_counter() - t0, 2))
       continue
     try:
@@ -189,7 +239,7 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
         raise
       # The compiler's out-of-memory verdict for the target (MaxText's is_oom): a result, not a crash.
       yield dict(fn=name, topology=topology, num_slices=num_slices, mesh=dict(mesh.shape), hbm_bytes=hbm,
-                 attention=found, attention_family=kernel,
+                 attention=found, attention_family=expected,
                  fits=False, error=str(e).splitlines()[0][:500],
                  compile_s=round(time.perf_counter() - t0, 2))
       continue
@@ -202,11 +252,18 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
     # XLA's arguments omit inputs the function does not read (e.g. trajectory fields); the trainer still
     # holds them, and the rest of the train state, while it runs. `resident` counts them unpadded, XLA's
     # argument bytes count the TPU's tile padding: the peak takes the larger of the two totals.
-    resident = per_device_bytes(resident_inputs(name, args))
-    peak = max(per_chip, resident + mem.output_size_in_bytes - mem.alias_size_in_bytes
-               + mem.temp_size_in_bytes)
+    # The encoder's parameters stay on the chips while the step functions run (not their arguments).
+    resident = per_device_bytes(resident_inputs(name, args)) + (text_bytes if name != TEXT_ENCODER else 0)
+    peak = max(per_chip + (text_bytes if name != TEXT_ENCODER else 0),
+               resident + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+    if name == TEXT_ENCODER:
+      analytic = text_encoder.forward_flops() / len(devices)
+      param_bytes, replicated = enc_report['per_device_bytes'], enc_report['replicated_fraction']
+    else:
+      analytic = fwd * slots * network_passes(config, name, remat) / len(devices) if fwd else None
+      param_bytes, replicated = params_report['per_device_bytes'], params_report['replicated_fraction']
     row = dict(fn=name, topology=topology, num_slices=num_slices, mesh=dict(mesh.shape),
-               attention=found, attention_family=kernel,
+               attention=found, attention_family=expected,
                context_impl=plan.context_impl,
                per_chip_bytes=int(per_chip), resident_bytes=int(resident), peak_bytes=int(peak),
                argument_bytes=int(mem.argument_size_in_bytes),
@@ -214,11 +271,16 @@ def compile_report(config, topology, num_slices=1, fns=FUNCTIONS, compiler_optio
                temp_bytes=int(mem.temp_size_in_bytes),
                generated_code_bytes=int(mem.generated_code_size_in_bytes), hbm_bytes=hbm,
                flops=float(cost.get('flops', -1.0)) if cost else None,
-               analytic_flops=(fwd * slots * network_passes(config, name, remat) / len(devices)
-                               if fwd else None),
-               param_bytes_per_chip=int(params_report['per_device_bytes']),
-               replicated_param_fraction=params_report['replicated_fraction'],
+               analytic_flops=analytic,
+               param_bytes_per_chip=int(param_bytes),
+               replicated_param_fraction=replicated,
                compile_s=round(compile_s, 2))
+    if text_encoder is not None:
+      row.update(text_encoder_bytes=int(text_bytes))
+      if name == TEXT_ENCODER:
+        row.update(text_encoder=dict(text_encoder.describe(),
+                                     total_param_bytes=int(enc_report['total_bytes']),
+                                     input_ids_spec=str(encoder.input_ids.spec)))
     if hbm:
       row.update(fits=peak <= hbm, spare_fraction=round(1 - peak / hbm, 4))
     yield row
@@ -228,14 +290,14 @@ def main(argv):
   console.setup()
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments {argv[1:]} (flags are --name=value)')
-  bad = [f for f in _FNS.value if f not in FUNCTIONS]
+  bad = [f for f in _FNS.value if f not in ALL_FUNCTIONS]
   if bad:
-    raise app.UsageError(f'--fns: unknown {bad}; known: {FUNCTIONS}')
+    raise app.UsageError(f'--fns: unknown {bad}; known: {ALL_FUNCTIONS}')
   distributed.initialize(distributed.options_from_flags())   # the compilation cache; a no-op alone
   failed = []
   out = open(_OUT.value, 'a') if _OUT.value else None
   try:
-    for row in compile_report(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _FNS.value,
+    for row in compile_report(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _FNS.value or None,
                               lower_only=_LOWER_ONLY.value):
       line = json.dumps(row)
       print(line, flush=True)

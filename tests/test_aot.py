@@ -3,10 +3,12 @@
 import importlib.util
 
 import jax
+import ml_collections
 import pytest
 
 from configs import cosmos2b
 from ddrl_jax import aot
+from ddrl_jax import config as config_lib
 from ddrl_jax import parallel
 from ddrl_jax import tasks
 from ddrl_jax.models import attention
@@ -77,6 +79,54 @@ def test_a_program_without_the_family_kernel_is_refused_before_compiling(monkeyp
   with pytest.raises(aot.KernelMismatch, match=r"rollout lowered for cpu-8: long-sequence attention runs "
                      r"\['xla'\] where the family names 'splash' for cpu"):
     _rows(dict(data=2, fsdp=2, context=2), fns=('rollout',), long_attention=True)
+
+
+# The smoke DiT takes 32-wide text: a Reason1 encoder of 2 layers x 16 (reason1_text.save_tiny's shapes).
+TINY_ENCODER = dict(vocab_size=300, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                    intermediate_size=32)
+
+
+def _reason1_config(mesh, **overrides):
+  config = _config(mesh)
+  config.cosmos.text = 'reason1'
+  config.cosmos.text_encoder_overrides = ml_collections.ConfigDict(dict(TINY_ENCODER, **overrides))
+  return config
+
+
+def test_text_encoder_row_holds_fsdp_sharded_params_resident_beside_the_iteration():
+  """config.cosmos.text='reason1': the 'text_encoder' row compiles the encoder's sharded forward with its
+  parameters FSDP over one host's devices (all 8 of cpu-8, whatever the run's mesh: each process encodes
+  its own prompts; per-chip arguments below the parameter bytes), and the step functions' rows count
+  those bytes as resident (text_encoder_bytes) on top of what they held without the encoder."""
+  mesh = dict(data=2, fsdp=4, context=1)
+  rows = {r['fn']: r for r in aot.compile_report(_reason1_config(mesh), 'cpu-8',
+                                                  fns=('rollout', 'text_encoder'))}
+  enc, rollout = rows['text_encoder'], rows['rollout']
+  total = enc['text_encoder']['total_param_bytes']
+  assert enc['text_encoder']['num_layers'] == 2 and enc['text_encoder']['param_dtype'] == 'float32'
+  assert enc['argument_bytes'] < total and enc['param_bytes_per_chip'] < 0.3 * total
+  assert enc['text_encoder_bytes'] == enc['param_bytes_per_chip'] and enc['replicated_param_fraction'] < 0.02
+  assert enc['text_encoder']['input_ids_spec'] == 'P()'       # 4 prompts do not divide over 8 chips
+  assert enc['param_bytes_per_chip'] <= total / 8 * 1.05
+  assert enc['attention'] == ['xla_short'] and enc['attention_family'] == 'xla'
+  assert enc['per_chip_bytes'] > 0 and enc['resident_bytes'] > enc['argument_bytes'] and enc['compile_s'] > 0
+  without = _rows(mesh, fns=('rollout',))['rollout']
+  assert 'text_encoder_bytes' not in without
+  assert rollout['text_encoder_bytes'] == enc['text_encoder_bytes']
+  assert rollout['resident_bytes'] == without['resident_bytes'] + rollout['text_encoder_bytes']
+  assert rollout['peak_bytes'] == without['peak_bytes'] + rollout['text_encoder_bytes']
+
+
+def test_text_encoder_is_in_the_default_functions_only_when_the_task_runs_one():
+  mesh = dict(data=2, fsdp=2, context=2)
+  lowered = {r['fn']: r for r in aot.compile_report(_reason1_config(mesh), 'cpu-8', lower_only=True)}
+  assert tuple(lowered) == aot.ALL_FUNCTIONS
+  assert lowered['text_encoder']['attention'] == ['xla_short']
+  with pytest.raises(config_lib.ConfigError, match="--fns=text_encoder: task 'video' runs no text "
+                     "encoder on the training devices"):
+    list(aot.compile_report(_config(mesh), 'cpu-8', fns=('text_encoder',), lower_only=True))
+  with pytest.raises(ValueError, match='3 layers x 16 = 48-wide embeddings; the DiT takes 32'):
+    list(aot.compile_report(_reason1_config(mesh, num_layers=3), 'cpu-8', lower_only=True))
 
 
 @needs_libtpu

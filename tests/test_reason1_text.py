@@ -325,3 +325,66 @@ def test_config_presets_and_parameter_count():
   v5 = {k: v for k, v in hf7b.items() if k not in ('rope_theta', 'rope_scaling')}   # transformers 5.x form
   v5['rope_parameters'] = {'rope_type': 'default', 'rope_theta': 5e5, 'mrope_section': [16, 24, 24]}
   assert r1.config_from_hf(v5).rope_theta == 5e5
+
+
+# ------------------------------------------------------------------------------------------ sharded placement
+
+
+def _plan(**mesh):
+  """A ShardingPlan with the default rules on the 8 fake CPU devices (tests/conftest.py)."""
+  from ddrl_jax import parallel
+  from ddrl_jax.parallel import rules
+  m = parallel.make_mesh(dict(dict(data=1, fsdp=1, context=1, tensor=1), **mesh))
+  return parallel.ShardingPlan(mesh=m, rules=rules.resolve_rules(rules.DEFAULT_RULES, mesh_axes=m.axis_names))
+
+
+def test_sharded_placement_equals_the_unsharded_encoder(saved, encoder):
+  """On data 2 x fsdp 4, the weights split their width over fsdp (about 1/4 of the bytes per device) and the
+  sharded forward equals the one-device encoder (float32, 1e-5): prompts in chunks of 2 split over data, a
+  batch of 3 (no batch axis divides it) replicated; the checkpoint loads straight onto the shards."""
+  from jax.sharding import PartitionSpec as P
+  from ddrl_jax.parallel import rules
+  plan = _plan(data=2, fsdp=4)
+  sharded = r1.Reason1TextEncoder.from_pretrained(saved, batch_size=2, plan=plan)
+  state = sharded._state
+  for path, spec in [(('layers', 'mlp', 'gate_proj', 'kernel'), P(None, 'fsdp')),
+                     (('layers', 'mlp', 'down_proj', 'kernel'), P(None, None, 'fsdp')),
+                     (('embed_tokens', 'embedding'), P(None, 'fsdp')), (('norm', 'scale'), P('fsdp'))]:
+    value = state[path[0]]
+    for p in path[1:]:
+      value = value[p]
+    value = value.get_value()
+    assert value.sharding.spec == spec and not value.sharding.is_fully_replicated, path
+    dim = list(spec).index('fsdp')                      # the model width, HIDDEN over 4 devices
+    assert value.shape[dim] == HIDDEN and value.addressable_shards[0].data.shape[dim] == HIDDEN // 4, path
+  _, abstract = r1.abstract_state(sharded.config)
+  report = rules.sharding_report(abstract, r1.param_shardings(sharded.config, plan))
+  assert report['per_device_bytes'] < 0.3 * report['total_bytes']
+
+  prompts = PROMPTS + ['x']
+  want = np.asarray(encoder.encode(prompts, max_length=64).embeddings)
+  got = sharded.encode(prompts, max_length=64)
+  assert _rel(got.embeddings, want) <= TOL
+  fwd2 = sharded.sharded(2, 64)
+  assert fwd2.input_ids.spec == P('data') and fwd2.output.spec == P('data')
+  ids = encoder.tokenize(prompts[:3], 64).input_ids
+  fwd3 = r1.sharded_forward(encoder.config, plan, 3, 64)            # params placed from a one-device state
+  assert fwd3.input_ids.is_fully_replicated and fwd3.output.is_fully_replicated
+  out = fwd3.fn(r1.place_params(encoder._state, encoder.config, plan), ids)
+  assert out.sharding.is_fully_replicated and _rel(out, want[:3]) <= TOL
+  with pytest.raises(ValueError, match='params do not match the model'):
+    r1.place_params({('norm', 'scale'): np.ones(HIDDEN)}, encoder.config, plan)
+
+
+def test_sharded_program_names_its_short_causal_attention():
+  """The encoder's attention runs under models.attention's scope label: 'xla_short' for 512 tokens."""
+  from ddrl_jax.models import attention
+  cfg = r1.Qwen25TextConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate_size=128)
+  plan = _plan(fsdp=8)
+  fwd = r1.sharded_forward(cfg, plan, 4, 512)
+  _, abstract = r1.abstract_state(cfg)
+  text = fwd.fn.lower(abstract, np.zeros((4, 512), np.int32)).as_text(debug_info=True)
+  assert attention.program_kernels(text) == ['xla_short']
+  assert attention.check_program(text, r1.attention_kernel(cfg.attention_impl), 'cpu') == []
+  assert r1.attention_label('cudnn', 512) == 'cudnn' and r1.attention_label('einsum', 8192) == 'xla'

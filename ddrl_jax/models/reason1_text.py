@@ -25,6 +25,11 @@ the reference keeps a bf16 residual, so a bf16 run here is closer to the float32
 
 Layers are stacked on a leading 'layers' axis (`nnx.vmap`) and run under `nnx.scan` (optionally
 `nnx.remat`), as the DiTs are; parameters carry logical axis names (LOGICAL_RULES adds 'vocab').
+
+On the training devices (`Reason1TextEncoder(..., plan=plan)`, `from_pretrained(..., plan=plan)`) the
+parameters are FSDP-sharded by those names under the run's ShardingPlan (`param_shardings`, `place_params`)
+and the forward is jitted with in/out shardings (`sharded_forward`); `ddrl_jax.aot` compiles the same
+forward for a TPU slice (its 'text_encoder' row).
 """
 import dataclasses
 import functools
@@ -45,6 +50,8 @@ from ddrl_jax.models import layers
 from ddrl_jax.models.layers import REMAT_POLICIES
 from ddrl_jax.models.layers import RMSNorm
 from ddrl_jax.models.text import reason_full_concat
+from ddrl_jax.parallel import plan as plan_lib
+from ddrl_jax.parallel import rules as rules_lib
 from ddrl_jax.parallel.plan import constrain
 
 logger = logging.getLogger(__name__)
@@ -56,6 +63,8 @@ TEXT_ENCODER, TOKENIZER = 'text_encoder', 'tokenizer'   # subfolders of a diffus
 LOGICAL_RULES = {'vocab': ''}   # the embedding table's rows; its width is 'embed' (fsdp)
 RESIDUAL_NAMES = ('act_batch', 'act_text', 'act_embed')   # (B, L, D)
 ATTENTION_IMPLS = ('einsum', 'xla', 'cudnn')
+_KERNEL_SCOPE = 'attention_kernel.'   # models.attention's scope prefix (program_kernels reads it)
+SHORT_ATTENTION_LEN = 4096            # models.attention.AttentionConfig.min_flash_len's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,12 +164,33 @@ def rope_cos_sin(length, head_dim, theta):
   return jnp.cos(angles), jnp.sin(angles)
 
 
+def attention_label(impl, length):
+  """The kernel label of `causal_attention` in a lowered program (models.attention.program_kernels):
+  'cudnn' for impl 'cudnn'; for 'einsum' and 'xla' (XLA attention that holds the (L, L) logits) 'xla_short'
+  below attention.AttentionConfig's min_flash_len (4096; the 512 prompt tokens) and 'xla' from it on."""
+  if impl == 'cudnn':
+    return 'cudnn'
+  return 'xla_short' if length < SHORT_ATTENTION_LEN else 'xla'
+
+
+def attention_kernel(impl):
+  """The long-sequence kernel `ddrl_jax.aot` expects of the encoder (check_program): 'cudnn' or 'xla'."""
+  return 'cudnn' if impl == 'cudnn' else 'xla'
+
+
 def causal_attention(q, k, v, impl='einsum'):
   """Causal grouped-query attention: q (B, L, N, Hd), k/v (B, L, K, Hd), K | N -> (B, L, N, Hd).
 
   Query head h reads KV head h // (N / K), as transformers' repeat_kv. 'einsum' keeps the logits and
-  softmax in float32; 'xla' / 'cudnn' are jax.nn.dot_product_attention's implementations.
+  softmax in float32; 'xla' / 'cudnn' are jax.nn.dot_product_attention's implementations. Runs under the
+  named scope `attention_kernel.<attention_label>`, as models.attention's kernels do, so that a lowered
+  program names it.
   """
+  with jax.named_scope(_KERNEL_SCOPE + attention_label(impl, q.shape[1])):
+    return _causal_attention(q, k, v, impl)
+
+
+def _causal_attention(q, k, v, impl):
   if impl != 'einsum':
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
   b, l, n, hd = q.shape
@@ -502,14 +532,174 @@ def model_from_params(config, params):
   return nnx.merge(graphdef, state, rest)
 
 
-def load_model(folder, **config_overrides):
+def load_model(folder, plan=None, **config_overrides):
   """(Qwen25TextModel, config) from a transformers checkpoint folder (config.json + safetensors);
-  config_overrides (dtype, param_dtype, remat_policy, attention_impl) go to the config."""
+  config_overrides (dtype, param_dtype, remat_policy, attention_impl) go to the config. With a
+  ShardingPlan `plan`, the weights go from host memory straight onto `param_shardings(config, plan)`
+  (`place_params`: no device ever holds a whole weight); without one, onto the default device."""
   folder = os.fspath(folder)
   if not os.path.isdir(folder):
     raise FileNotFoundError(f'{folder}: text encoder folder does not exist')
   config = config_from_hf(read_config(folder), os.path.join(folder, 'config.json'), **config_overrides)
-  return model_from_params(config, load_params(folder, config)), config
+  if plan is None:
+    return model_from_params(config, load_params(folder, config)), config
+  graphdef, _ = abstract_state(config)
+  return nnx.merge(graphdef, place_params(load_params(folder, config), config, plan)), config
+
+
+# ------------------------------------------------------------------------------------- sharded placement
+#
+# On the training devices the encoder is placed like the DiT: every weight's model width ('embed') over the
+# plan's FSDP axes, so the 7B encoder costs its bf16 bytes / fsdp per chip instead of all of them, and its
+# forward runs under `plan.scope` (the residual constraints read the plan; GSPMD gathers each layer's
+# weights inside the scan). Prompts split over the plan's batch axes where their count divides them.
+
+
+def abstract_state(config):
+  """(graphdef, abstract nnx.State) of Qwen25TextModel(config): every variable a ShapeDtypeStruct inside
+  its nnx.Param (which carries the logical axis names), in the structure of `nnx.split(model)[1]`;
+  nothing is allocated."""
+  return nnx.split(nnx.eval_shape(lambda: Qwen25TextModel(config, rngs=nnx.Rngs(0))))
+
+
+def sharding_rules(plan):
+  """plan.rules plus the encoder's own logical names (LOGICAL_RULES: 'vocab', unsharded) where the plan
+  has none (so config.sharding.rules.vocab, when set, wins)."""
+  rules = dict(plan.rules)
+  for name, axes in rules_lib.resolve_rules(LOGICAL_RULES, mesh_axes=plan.mesh.axis_names).items():
+    rules.setdefault(name, axes)
+  return rules
+
+
+def param_shardings(config, plan):
+  """nnx.State of NamedShardings (the structure of `abstract_state(config)[1]`) of the encoder's
+  parameters on plan.mesh, from their logical names under `sharding_rules(plan)`: with the default rules
+  every matrix, the embedding table and the norm scales split their model width ('embed') over the fsdp
+  axes (as the DiT's), 'heads' / 'mlp' over 'tensor'; 'layers' and 'vocab' are not split. A dimension
+  its axes do not divide drops them (rules.mesh_spec)."""
+  _, state = abstract_state(config)
+  return rules_lib.param_shardings(state, plan.mesh, sharding_rules(plan))
+
+
+def batch_sharding(plan, shape):
+  """NamedSharding of a (B, ...) array: B over the plan's batch axes ('act_batch': data, fsdp), dropping
+  axes from the end until their product divides B (replicated when none does); the rest replicated."""
+  return plan.sharding(('act_batch',), tuple(shape), 'activation')
+
+
+def place_params(params, config, plan):
+  """The encoder's parameters on `param_shardings(config, plan)` as an nnx.State. `params`: load_params'
+  {NNX path: numpy} (each device receives only its slices from host memory, plan.place) or an nnx.State
+  of arrays (resharded where it differs)."""
+  shardings = param_shardings(config, plan)
+  _, state = abstract_state(config)
+  if isinstance(params, nnx.State):
+    values = {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(params)}
+  else:
+    values = params
+  expected = {tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(state)}
+  if set(values) != expected:
+    raise ValueError(f'params do not match the model: {_short(map(str, set(values) ^ expected))}')
+  for path, variable in nnx.to_flat_state(state):
+    key = tuple(str(p) for p in path)
+    value = values[key]
+    spec = variable.get_value()
+    if tuple(value.shape) != tuple(spec.shape):
+      raise ValueError(f'params: {"/".join(key)} has shape {tuple(value.shape)}, the model {spec.shape}')
+    if not isinstance(value, jax.Array):
+      value = np.asarray(value, spec.dtype)
+    variable.set_value(value.astype(spec.dtype) if value.dtype != spec.dtype else value)
+  return plan_lib.place(state, shardings)
+
+
+class ShardedForward(NamedTuple):
+  """`sharded_forward`'s result. fn: jitted (params nnx.State, input_ids (B, L) int32) -> (B, L,
+  num_layers * hidden) embeddings; params / input_ids / output: its in and out shardings."""
+  fn: Any
+  params: Any
+  input_ids: Any
+  output: Any
+
+
+def sharded_forward(config, plan, batch_size, length=MAX_LENGTH, out_dtype=jnp.float32):
+  """The encoder's forward on plan.mesh for (batch_size, length) ids: reason_full_concat of the hidden
+  states in out_dtype, jitted with in_shardings (param_shardings(config, plan), batch_sharding(ids)) and
+  out_shardings batch_sharding(output), traced under plan.scope. Equal to the unsharded forward
+  (`Reason1TextEncoder.embed_ids` without a plan) up to the reduction order of the split matmuls."""
+  graphdef, _ = abstract_state(config)
+  params = param_shardings(config, plan)
+  ids = batch_sharding(plan, (batch_size, length))
+  out = batch_sharding(plan, (batch_size, length, config.embedding_dim))
+  out_dtype = np.dtype(out_dtype)
+
+  def forward(state, input_ids):
+    model = nnx.merge(graphdef, state)
+    return reason_full_concat(model(input_ids)).astype(out_dtype)
+
+  fn = jax.jit(plan.scope(forward), in_shardings=(params, ids), out_shardings=out)
+  return ShardedForward(fn, params, ids, out)
+
+
+class DeviceEncoder(NamedTuple):
+  """The encoder as a task runs it on the training devices, for `ddrl_jax.aot` (a task's
+  `device_text_encoder()`): its config and the shape of one call, batch_size prompts of `length` tokens
+  -> (batch_size, length, embedding_dim) out_dtype embeddings."""
+  config: Qwen25TextConfig
+  batch_size: int
+  length: int = MAX_LENGTH
+  out_dtype: Any = jnp.float32
+
+  def forward(self, plan):
+    """The call's ShardedForward on plan.mesh (`sharded_forward`)."""
+    return sharded_forward(self.config, plan, self.batch_size, self.length, self.out_dtype)
+
+  def abstract_inputs(self, forward):
+    """(params, input_ids) as ShapeDtypeStructs carrying `forward`'s in_shardings; nothing allocated."""
+    _, state = abstract_state(self.config)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                          forward.params)
+    return params, jax.ShapeDtypeStruct((self.batch_size, self.length), jnp.int32, sharding=forward.input_ids)
+
+  def forward_flops(self):
+    """Analytic FLOPs of one call (`forward_flops` x batch_size)."""
+    return self.batch_size * sum(forward_flops(self.config, self.length).values())
+
+  @property
+  def attention_kernel(self):
+    """The kernel its lowered program's attention must be (models.attention.check_program)."""
+    return attention_kernel(self.config.attention_impl)
+
+  def describe(self):
+    """A JSON-able summary for report rows."""
+    cfg = self.config
+    return dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                param_dtype=np.dtype(cfg.param_dtype).name, batch=self.batch_size, length=self.length)
+
+
+def device_encoder(section, text_dim, dtype):
+  """The DeviceEncoder of a Cosmos task's config section (config.cosmos), or None unless section.text is
+  'reason1'. As the task loads it: dtype = param_dtype = `dtype` (the DiT's; no float32 masters), the
+  architecture of section.text_encoder's config.json where that folder is on this host (the diffusers
+  folder or its text_encoder/), else Cosmos-Reason1-7B's (`reason1_7b`), with
+  section.text_encoder_overrides (Qwen25TextConfig fields, when the section has that key) on top; calls
+  of section.text_batch prompts at section.text_length tokens, float32 out. Raises ValueError when the
+  embeddings are not `text_dim` wide (the DiT's text width)."""
+  if section.get('text') != 'reason1':
+    return None
+  kw = dict(dtype=dtype, param_dtype=dtype)
+  kw.update(dict(section.get('text_encoder_overrides') or {}))
+  folder = os.fspath(section.get('text_encoder') or '')
+  if folder and not os.path.isfile(os.path.join(folder, 'config.json')):
+    folder = os.path.join(folder, TEXT_ENCODER)
+  if folder and os.path.isfile(os.path.join(folder, 'config.json')):
+    config = config_from_hf(read_config(folder), os.path.join(folder, 'config.json'), **kw)
+  else:
+    config = reason1_7b(**kw)
+  if config.embedding_dim != text_dim:
+    raise ValueError(f'the Reason1 text encoder gives {config.num_layers} layers x {config.hidden_size} = '
+                     f'{config.embedding_dim}-wide embeddings; the DiT takes {text_dim} '
+                     f'(config.cosmos.model, config.cosmos.text_encoder_overrides)')
+  return DeviceEncoder(config, int(section.get('text_batch', 4)), int(section.get('text_length', MAX_LENGTH)))
 
 
 # ----------------------------------------------------------------------------------------------- encoder
@@ -522,22 +712,30 @@ def _embed(graphdef, state, input_ids, out_dtype):
 
 
 class Encoded(NamedTuple):
-  """embeddings (B, max_length, num_layers * hidden) jax array; num_truncated: prompts cut to max_length."""
+  """embeddings (B, max_length, num_layers * hidden) jax array (numpy when a plan spans several processes:
+  gathered on every host); num_truncated: prompts cut to max_length."""
   embeddings: jax.Array
   num_truncated: int
 
 
 class Reason1TextEncoder:
-  """Prompts -> Cosmos-Predict2.5 reason embeddings with a Qwen25TextModel and a Qwen chat tokenizer."""
+  """Prompts -> Cosmos-Predict2.5 reason embeddings with a Qwen25TextModel and a Qwen chat tokenizer.
 
-  def __init__(self, model, tokenizer, *, max_length=MAX_LENGTH, batch_size=4):
+  plan: a ShardingPlan to run on its mesh (the training devices): the parameters FSDP-sharded
+  (`param_shardings`), each chunk's ids and embeddings split over the batch axes where batch_size divides
+  them (`sharded_forward`). None: the parameters and the forward on the default device.
+  """
+
+  def __init__(self, model, tokenizer, *, max_length=MAX_LENGTH, batch_size=4, plan=None):
     if batch_size < 1:
       raise ValueError(f'batch_size must be >= 1, got {batch_size}')
     self.config = model.config
     self.tokenizer = tokenizer
     self.max_length, self.batch_size = max_length, batch_size
+    self.plan = plan
     self._graphdef, state = nnx.split(model)
-    self._state = jax.device_put(state)
+    self._state = jax.device_put(state) if plan is None else place_params(state, self.config, plan)
+    self._forwards = {}
 
   @property
   def model(self):
@@ -548,28 +746,42 @@ class Reason1TextEncoder:
     return self.config.embedding_dim
 
   @classmethod
-  def from_pretrained(cls, path, *, tokenizer=None, max_length=MAX_LENGTH, batch_size=4, **config_overrides):
+  def from_pretrained(cls, path, *, tokenizer=None, max_length=MAX_LENGTH, batch_size=4, plan=None,
+                      **config_overrides):
     """Load from a diffusers Cosmos-Predict2.5 folder (text_encoder/ + tokenizer/) or a text_encoder
     folder itself. tokenizer: a tokenizer object or folder; by default the folder's own tokenizer files,
-    else its sibling tokenizer/ folder. Everything is read offline (local files only)."""
+    else its sibling tokenizer/ folder. Everything is read offline (local files only). plan: see the
+    class; the weights then go from host memory straight to their shards."""
     from transformers import AutoTokenizer
     path = os.fspath(path)
     if not os.path.isdir(path):
       raise FileNotFoundError(f'{path}: text encoder folder does not exist')
     if not os.path.isfile(os.path.join(path, 'config.json')) and os.path.isdir(os.path.join(path, TEXT_ENCODER)):
       path = os.path.join(path, TEXT_ENCODER)
-    model, _ = load_model(path, **config_overrides)
+    model, _ = load_model(path, plan=plan, **config_overrides)
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
       where = os.fspath(tokenizer) if tokenizer is not None else _tokenizer_folder(path)
       tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
-    return cls(model, tokenizer, max_length=max_length, batch_size=batch_size)
+    return cls(model, tokenizer, max_length=max_length, batch_size=batch_size, plan=plan)
 
   def tokenize(self, prompts, max_length=None):
     return tokenize(self.tokenizer, list(prompts), max_length or self.max_length)
 
+  def sharded(self, batch_size, length, out_dtype=jnp.float32):
+    """The plan's ShardedForward for (batch_size, length) ids (built once per shape and dtype)."""
+    key = (batch_size, length, np.dtype(out_dtype))
+    if key not in self._forwards:
+      self._forwards[key] = sharded_forward(self.config, self.plan, batch_size, length, out_dtype)
+    return self._forwards[key]
+
   def embed_ids(self, input_ids, out_dtype=jnp.float32):
-    """(B, L) ids -> (B, L, num_layers * hidden) in out_dtype, computed in float32 from the model."""
-    return _embed(self._graphdef, self._state, jnp.asarray(input_ids, jnp.int32), np.dtype(out_dtype))
+    """(B, L) ids -> (B, L, num_layers * hidden) in out_dtype, computed in float32 from the model. With a
+    plan: on its mesh, the ids placed on (and the result in) the batch sharding of `sharded_forward`."""
+    if self.plan is None:
+      return _embed(self._graphdef, self._state, jnp.asarray(input_ids, jnp.int32), np.dtype(out_dtype))
+    ids = np.asarray(input_ids, np.int32)
+    fwd = self.sharded(ids.shape[0], ids.shape[1], out_dtype)
+    return fwd.fn(self._state, plan_lib.place(ids, fwd.input_ids))
 
   def encode(self, prompts, *, max_length=None, out_dtype=jnp.float32):
     """Prompts -> Encoded((B, max_length, num_layers * hidden) in out_dtype, number truncated).
@@ -593,7 +805,11 @@ class Reason1TextEncoder:
       if pad:
         chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)])
       chunks.append(self.embed_ids(chunk, out_dtype)[:len(chunk) - pad])
-    return Encoded(chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks), tok.num_truncated)
+    out = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks)
+    if isinstance(out, jax.Array) and not out.is_fully_addressable:   # a plan over several processes
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      out = multihost_utils.process_allgather(out, tiled=True)       # every host gets the whole batch
+    return Encoded(out, tok.num_truncated)
 
 
 def _tokenizer_folder(model_folder):

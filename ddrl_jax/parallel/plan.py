@@ -62,6 +62,18 @@ class ShardingPlan:
     """`from_config` with a model family's rules and sequence names (models.family.ModelFamily)."""
     return cls.from_config(config, mesh, family.logical_rules(), family.sequence_names())
 
+  @classmethod
+  def for_host(cls, config, devices, family):
+    """A plan over one host's `devices` alone, FSDP over all of them (mesh fsdp = len(devices)), with the
+    run's rules: for models that each process runs on its own inputs, such as a frozen text encoder
+    encoding this host's prompts (no cross-host collectives, so processes need not run it in lockstep)."""
+    from ddrl_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    shape = dict(data=1, fsdp=len(devices), context=1, tensor=1)
+    mesh = mesh_lib.make_mesh(shape, list(devices))
+    s = config.get('sharding') or {}
+    host = {'sharding': dict(s, fsdp_axes='fsdp', context_impl='none')}
+    return cls.for_model(host, mesh, family)
+
   @property
   def axis_sizes(self):
     return dict(self.mesh.shape)

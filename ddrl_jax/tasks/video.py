@@ -71,6 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddrl_jax import parallel
 from ddrl_jax.models import convert
 from ddrl_jax.models import text as text_lib
 from ddrl_jax.models.wan import vae as wan_vae
@@ -143,7 +144,7 @@ class CosmosVideo(base.FamilyTask):
   (models/cosmos/family.py: the DiT and its frame-replacement velocity adapter)."""
 
   DEFAULT_FAMILY = 'cosmos'
-  capabilities = frozenset({'records', 'media', 'aot'})
+  capabilities = frozenset({'records', 'media', 'aot', 'device_text_encoder'})
   eval_scores_with_rewards = True     # the trainer passes `evaluate` a scorer of the run's rewards
 
   def __init__(self, config):
@@ -498,15 +499,24 @@ class CosmosVideo(base.FamilyTask):
         raise ValueError("config.cosmos.text='reason1' needs config.cosmos.text_encoder: a diffusers "
                          'Cosmos-Predict2.5 folder (text_encoder/ + tokenizer/, e.g. of '
                          'nvidia/Cosmos-Predict2.5-2B) or its text_encoder folder')
+      # Inference only (no fp32 masters), FSDP over this process's devices: each process encodes its own
+      # groups' prompts, so the encoder runs without cross-host collectives (ShardingPlan.for_host).
       enc = reason1_text.Reason1TextEncoder.from_pretrained(
           self.c.text_encoder, max_length=self.c.text_length, batch_size=self.c.get('text_batch', 4),
-          dtype=self.family.dit.dtype, param_dtype=self.family.dit.dtype)   # inference only: no fp32 masters
+          dtype=self.family.dit.dtype, param_dtype=self.family.dit.dtype,
+          plan=parallel.ShardingPlan.for_host(self.config, jax.local_devices(), self.family))
       if enc.dim != self.text_dim:
         raise ValueError(f'config.cosmos.text_encoder={self.c.text_encoder!r} gives {enc.dim}-wide '
                          f'embeddings ({enc.config.num_layers} layers x {enc.config.hidden_size}); the DiT '
                          f'takes {self.text_dim} (config.cosmos.model={self.c.model!r})')
       self._reason1 = enc
     return self._reason1
+
+  def device_text_encoder(self):
+    """The text encoder this task runs on the training devices (models.reason1_text.DeviceEncoder, for
+    `ddrl_jax.aot`), or None without config.cosmos.text='reason1'."""
+    from ddrl_jax.models import reason1_text  # pylint: disable=g-import-not-at-top
+    return reason1_text.device_encoder(self.c, self.text_dim, self.family.dit.dtype)
 
   def _reason1_embed(self, prompts):
     encoded = self._reason1_encoder().encode(prompts)
