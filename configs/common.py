@@ -92,6 +92,9 @@ def base_config():
   c.reward = ml_collections.ConfigDict(dict(
       fns=ml_collections.ConfigDict(),     # e.g. {'ocr': 1.0}; the columns of the reward matrix
       kwargs=ml_collections.ConfigDict(),  # name -> factory kwargs, e.g. {'ocr': {'upscale': 2}}
+      # name -> (low, high): a score outside is a failure, never trained on (default: the reward's
+      # reference scale, ddrl_jax/rewards/registry.py SCORE_BOUNDS).
+      bounds=ml_collections.ConfigDict(),
       combine='advantage_mean',            # 'advantage_mean' (cosmos-rl) or 'weighted_sum'
       imports=(),                          # modules registering custom rewards (trainer + workers)
       backend='local',                     # 'local' (worker processes here) or 'redis'
@@ -103,6 +106,7 @@ def base_config():
       redis_url='redis://localhost:6379/0',
       token_env='DDRL_REWARD_TOKEN',       # environment variable holding the bearer token
       retries=3,                           # Redis connection retries (exponential backoff)
+      no_server_grace_s=60.0,              # redis: no live reward server this long -> the batch fails
       task_ttl_s=3600))
 
   # Mesh sizes; -1 fills with the remaining devices. Batches shard their B axis over (data, fsdp).

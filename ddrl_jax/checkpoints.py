@@ -26,7 +26,7 @@ SAFE_TO_CHANGE = (
     'reward.workers', 'reward.chunk_size', 'reward.chunk_timeout_s', 'reward.timeout_s',
     'reward.max_failed_batches', 'reward.backend', 'reward.redis_url', 'reward.token_env',
     'reward.retries', 'reward.task_ttl_s', 'data.worker_count', 'data.skip_bad', 'mesh.', 'sharding.',
-    'require_inputs')
+    'require_inputs', 'reward.no_server_grace_s')
 
 
 # Keys added after checkpoints were first written, with the value that reproduces how those runs

@@ -125,6 +125,8 @@ def validate(config, num_devices):
   _check(r.timeout_s > 0 and r.chunk_timeout_s > 0, 'reward.timeout_s', r.timeout_s,
          'timeouts must be > 0')
   _check(r.max_failed_batches >= 1, 'reward.max_failed_batches', r.max_failed_batches, 'must be >= 1')
+  _check(r.get('no_server_grace_s', 60.0) > 0, 'reward.no_server_grace_s', r.get('no_server_grace_s'),
+         'must be > 0 (seconds without a live reward server before a batch fails)')
   if rl.adv_transform == 'exact':
     _check(len(r.fns) == 1 or r.combine == 'weighted_sum', 'reward.combine', r.combine,
            "the exact tilt transform needs one reward or combine='weighted_sum'")

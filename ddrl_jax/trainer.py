@@ -376,8 +376,11 @@ class Trainer:
     names = list(self.config.reward.fns)
     mine = result.matrix(names)
     mine[~np.asarray(valid, bool)] = np.nan
-    for message in result.errors[:5]:
-      logger.warning('reward: %s', message)
+    first = rewards_lib.errors_by_kind(result.errors)
+    for kind, count in sorted(result.failures.items()):   # one line per kind per iteration
+      if count:
+        logger.warning('reward failures (%s): %d score(s) this iteration, NaN and not trained on; '
+                       'first: %s', kind, count, first.get(kind, first.get('other', '')))
     kinds = sorted(result.failures)
     split = self.layout.slots
     rewards = hosts.exchange(mine, split)

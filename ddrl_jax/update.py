@@ -217,13 +217,15 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
       metrics['nft_old_decay'] = decay
     failed = ~jnp.isfinite(rewards).all(-1)   # any non-finite reward = failed sample (advantage 0)
     valid = jnp.where(failed[..., None], 0.0, rewards)
-    num_valid = jnp.maximum((~failed).sum(), 1)
+    # Means over the valid samples; NaN when none is valid (not 0, which would look like a score).
+    num_valid = (~failed).sum()
+    mean_valid = lambda total: jnp.where(num_valid > 0, total / jnp.maximum(num_valid, 1), jnp.nan)
     weights = jnp.asarray(list(config.reward.fns.values()), jnp.float32)
     for i, name in enumerate(config.reward.fns):
-      metrics[f'reward/{name}'] = valid[..., i].sum() / num_valid
+      metrics[f'reward/{name}'] = mean_valid(valid[..., i].sum())
     params_finite = jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)]))
     metrics.update(
-        reward_mean=(valid @ weights).sum() / num_valid,
+        reward_mean=mean_valid((valid @ weights).sum()),
         failed_rewards=failed.sum(), adv_mean=advantages.mean(), adv_abs_mean=jnp.abs(advantages).mean(),
         grad_norm=optax.tree.norm(grads), nonfinite_grads=nonfinite, params_finite=params_finite,
         learning_rate=lr_schedule(state.step), nfe_rollout=traj.nfe.mean())

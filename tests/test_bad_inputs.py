@@ -89,6 +89,8 @@ VALIDATE = [
     ('ddrl', {'reward.fns': fns(linear=0.0)}, 'config.reward.fns.linear=0.0: weights must be > 0'),
     ('ddrl', {'reward.kwargs': fns(nope={})}, 'config.reward.kwargs names unknown rewards'),
     ('ddrl', {'reward.combine': 'max'}, "config.reward.combine='max'"),
+    ('ddrl', {'reward.no_server_grace_s': 0.0}, 'config.reward.no_server_grace_s=0.0: must be > 0'),
+    ('ddrl', {'reward.bounds': fns(linear=(1.0, 0.0))}, 'config.reward.bounds.linear=(1.0, 0.0)'),
     ('ddrl', {'reward.backend': 'http'}, "config.reward.backend='http'"),
     ('ddrl', {'reward.workers': -1}, 'config.reward.workers=-1: must be >= 0'),
     ('ddrl', {'reward.chunk_size': 0}, 'config.reward.chunk_size=0: must be >= 1'),
@@ -386,9 +388,13 @@ def test_safe_config_change_resumes_and_is_logged(trained, tmp_path, caplog):
 REWARD_FAULTS = [
     ('crash', {'debug_crash': {}}, 'crash', 'exited with code 13 while scoring'),
     ('hang', {'debug_sleep': {'seconds': 60}}, 'timeout', 'no reply within 2.0 s (killed)'),
-    ('garbage', {'debug_garbage': {'kind': 'strings'}}, 'garbage', 'scores are not a numeric array'),
-    ('nested_garbage', {'debug_garbage': {'kind': 'nested'}}, 'garbage', 'scores have shape (4, 2)'),
-    ('wrong_count', {'debug_garbage': {'kind': 'shape'}}, 'garbage', 'scores have shape (5,), expected (4,)'),
+    ('garbage', {'debug_garbage': {'kind': 'strings'}}, 'non_numeric', '4 of 4 scores are not numbers'),
+    ('nested_garbage', {'debug_garbage': {'kind': 'nested'}}, 'wrong_length',
+     'do not have one value per sample'),
+    ('wrong_count', {'debug_garbage': {'kind': 'shape'}}, 'wrong_length', 'do not have one value per sample'),
+    ('nan', {'debug_garbage': {'kind': 'nan'}}, 'nan', '4 of 4 scores are NaN'),
+    ('bool', {'debug_garbage': {'kind': 'bool'}}, 'bool', 'are booleans, not numbers'),
+    ('huge', {'debug_garbage': {'kind': 'huge64'}}, 'out_of_range', "outside the reward's bound"),
 ]
 
 
@@ -399,7 +405,7 @@ def test_reward_fault_is_nan_and_counted(name, specs, kind, words):
     result = pool.submit(IMAGES[:4], ['x'] * 4, chunk_size=4).result(timeout=60)
   (reward,) = specs
   assert np.isnan(result.scores[reward]).all()
-  assert result.failures[kind] == 1 and sum(result.failures.values()) == 1
+  assert result.failures[kind] == 4 and sum(result.failures.values()) == 4     # one per sample
   assert any(words in e for e in result.errors), result.errors
 
 

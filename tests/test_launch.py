@@ -599,6 +599,7 @@ def test_slurm_in_job_cpus_and_started_redis(stub_bin):
   steps = srun_steps(r)
   redis = [c for c in steps if 'redis-server' in c]
   assert len(redis) == 1 and opt(redis[0], '--nodelist') == 'gpu-a001' and opt(redis[0], '--ntasks') == '1'
+  assert opt(redis[0], '--appendonly') == 'yes' and opt(redis[0], '--dir').endswith('/redis'), redis[0]
   url = opt([c for c in steps if 'ddrl_jax.rewards.serve' in c][0], '--redis')
   assert re.fullmatch(r'redis://[^<>]+:6379/0', url), url
   train = train_step(r)

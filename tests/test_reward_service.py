@@ -104,7 +104,7 @@ def test_killed_worker_and_hung_worker_give_nan_for_their_chunk_only(redis_url, 
   got = result.scores['mean_intensity']
   assert np.isnan(got[2:6]).all()
   np.testing.assert_allclose(got[[0, 1, 6, 7]], EXPECTED[[0, 1, 6, 7]], rtol=1e-6)
-  assert result.failures['crash'] == 3 and result.failures['timeout'] == 3
+  assert result.failures['crash'] == 6 and result.failures['timeout'] == 6    # 2 samples x 3 rewards
   # The server lives on and scores the next batch completely.
   again = svc.submit(IMAGES, ['ok'] * 8).result()
   np.testing.assert_allclose(again.scores['debug_crash'], EXPECTED, rtol=1e-6)
@@ -147,7 +147,7 @@ def test_malformed_payloads_are_answered_and_the_server_survives(redis_url, serv
   assert 'unknown rewards' in replies['unknown']['error']
   # A client whose request the server rejects gets NaN and the reason, not an exception.
   decoded = redis_backend.decode_reply(r.get(keys.result('short')), ['mean_intensity'], 8)
-  assert np.isnan(decoded.scores['mean_intensity']).all() and decoded.failures['error'] == 1
+  assert np.isnan(decoded.scores['mean_intensity']).all() and decoded.failures['error'] == 8
   r.lpush(keys.queue, 'no-such-task')                     # an id without a payload is skipped
   np.testing.assert_allclose(svc.submit(IMAGES, ['x'] * 8).result().scores['mean_intensity'],
                              EXPECTED, rtol=1e-6)
@@ -158,7 +158,7 @@ def test_no_server_times_out_without_hanging(redis_url):
   t0 = time.monotonic()
   result = svc.submit(IMAGES, ['x'] * 8).result()
   assert time.monotonic() - t0 < 10
-  assert np.isnan(result.scores['mean_intensity']).all() and result.failures['timeout'] == 1
+  assert np.isnan(result.scores['mean_intensity']).all() and result.failures['timeout'] == 8
   with pytest.raises(rewards.RewardServiceError, match='no reward server answered'):
     svc.check(timeout_s=1.0)
 
@@ -170,8 +170,8 @@ def test_unreachable_redis_fails_the_batch_after_bounded_retries():
   t0 = time.monotonic()
   result = svc.submit(IMAGES, ['x'] * 8).result()
   assert time.monotonic() - t0 < 20
-  assert np.isnan(result.scores['mean_intensity']).all() and result.failures['error'] == 1
-  assert svc.stats['retries'] == 2 and 'could not submit' in result.errors[0]
+  assert np.isnan(result.scores['mean_intensity']).all() and result.failures['error'] == 8
+  assert svc.stats['retries'] >= 2 and 'could not submit' in result.errors[0]
 
 
 @pytest.mark.slow

@@ -157,7 +157,8 @@ def test_pool_isolates_crash_hang_and_garbage_per_chunk():
       np.testing.assert_allclose(got[ok], EXPECTED[ok], rtol=1e-6, err_msg=name)
     assert np.isnan(result.scores['debug_garbage'][6:8]).all()
     np.testing.assert_allclose(result.scores['mean_intensity'][6:8], EXPECTED[6:8], rtol=1e-6)
-    assert result.failures == {'timeout': 4, 'crash': 4, 'garbage': 1, 'error': 0}
+    # Entries (sample x reward): 2 crashed and 2 hung samples x 4 rewards, 2 wrongly shaped scores.
+    assert {k: v for k, v in result.failures.items() if v} == {'timeout': 8, 'crash': 8, 'wrong_length': 2}
     assert result.num_failed == 6
     assert any('exited with code 13' in e for e in result.errors)
     assert pool.stats['crash'] == 1 and pool.stats['timeout'] == 1
@@ -167,18 +168,37 @@ def test_pool_isolates_crash_hang_and_garbage_per_chunk():
     assert sum(again.failures.values()) == 0
 
 
-@pytest.mark.parametrize('kind', ['strings', 'nested', 'shape'])
-def test_pool_garbage_kinds_give_nan(kind):
-  pool = rewards.InlinePool({'debug_garbage': {'kind': kind}})
+@pytest.mark.parametrize('kind, counted', [
+    ('strings', 'non_numeric'), ('nested', 'wrong_length'), ('shape', 'wrong_length'), ('nan', 'nan'),
+    ('inf', 'inf'), ('bool', 'bool'), ('huge', 'out_of_range'), ('huge64', 'out_of_range')])
+def test_pool_bad_scores_are_nan_and_counted_by_kind(kind, counted):
+  """Every bad value is NaN (never a score that looks valid: a bool is not 1.0, 1e30 is not kept, 1e300
+  does not become inf) and counted under its kind, once per sample, with a message naming it."""
+  pool = rewards.InlinePool({'debug_garbage': {'kind': kind}, 'mean_intensity': {}})
   result = pool.submit(IMAGES[:3], ['x'] * 3).result(10)
   assert np.isnan(result.scores['debug_garbage']).all()
-  assert result.failures['garbage'] == 1
+  np.testing.assert_allclose(result.scores['mean_intensity'], EXPECTED[:3], rtol=1e-6)
+  assert {k: v for k, v in result.failures.items() if v} == {counted: 3}
+  assert result.num_failed == 3
+  assert list(rewards.errors_by_kind(result.errors)) == [counted]
+
+
+def test_score_bounds_default_to_the_reference_scale_and_can_be_set():
+  pool = rewards.InlinePool({'linear': {'w': (1.0, 1.0)}})
+  points = np.array([[0.5, 0.5], [3e5, 3e5], [-2.0, 0.0]], np.float32)
+  result = pool.submit(points, ['a'] * 3).result(10)           # |r| <= 1e6 by default for 'linear'
+  assert np.isfinite(result.scores['linear']).all()
+  result = pool.submit(points, ['a'] * 3, bounds={'linear': (-1.0, 5.0)}).result(10)
+  assert np.isnan(result.scores['linear']).tolist() == [False, True, True]
+  assert result.failures['out_of_range'] == 2 and 'bound (-1.0, 5.0)' in result.errors[0]
+  from ddrl_jax.rewards import registry  # pylint: disable=g-import-not-at-top
+  assert registry.score_bound('ocr') == (0.0, 1.0) and registry.score_bound('vbench') == (-1.0, 1.0)
 
 
 def test_pool_reward_exception_is_counted_not_raised():
   pool = rewards.InlinePool({'linear': {'w': (1.0, 2.0)}})
   result = pool.submit(IMAGES[:2], ['', '']).result(10)      # images, not (M, 2) points
-  assert np.isnan(result.scores['linear']).all() and result.failures['error'] == 1
+  assert np.isnan(result.scores['linear']).all() and result.failures['error'] == 2   # 2 samples
   assert 'do not match' in result.errors[0]
 
 
@@ -193,7 +213,7 @@ def test_job_result_timeout_returns_nan_and_does_not_hang():
   with rewards.WorkerPool({'debug_sleep': {'seconds': 30}}, 1, chunk_timeout_s=60) as pool:
     result = pool.submit(IMAGES[:2], ['', '']).result(timeout=3)
   assert np.isnan(result.scores['debug_sleep']).all()
-  assert result.failures['timeout'] == 1
+  assert result.failures['timeout'] == 2            # both samples' entries
 
 
 def test_spec_from_config_names_bad_keys():

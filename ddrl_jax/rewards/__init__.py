@@ -1,5 +1,7 @@
 """Rewards on decoded samples and the asynchronous service that scores them (no JAX imports here:
 reward workers and servers start without it)."""
+from ddrl_jax.rewards.pool import errors_by_kind
+from ddrl_jax.rewards.pool import FAILURE_KINDS
 from ddrl_jax.rewards.pool import InlinePool
 from ddrl_jax.rewards.pool import RewardJob
 from ddrl_jax.rewards.pool import RewardResult

@@ -42,20 +42,38 @@ class Crash:
     return _score(samples)
 
 
+GARBAGE_KINDS = ('shape', 'strings', 'nested', 'nan', 'inf', 'bool', 'huge', 'huge64')
+
+
 class Garbage:
-  """Answers with the wrong kind of value: 'shape' (one score too many), 'strings' or 'nested'."""
+  """Answers with a value that is not a valid score: 'shape' (one score too many), 'strings', 'nested'
+  ((M, 2) numbers), 'nan', 'inf', 'bool' (M booleans), 'huge' (1e30 in float32) or 'huge64' (1e300 in
+  float64, which a float32 cast would turn into inf)."""
 
   def __init__(self, kind='shape', trigger=None):
+    if kind not in GARBAGE_KINDS:
+      raise ValueError(f'debug_garbage: kind {kind!r}; known: {GARBAGE_KINDS}')
     self.kind, self.trigger = kind, trigger
 
   def __call__(self, samples, prompts):
     if not _triggered(prompts, self.trigger):
       return _score(samples)
+    m = samples.shape[0]
     if self.kind == 'shape':
-      return np.zeros(samples.shape[0] + 1, np.float32)
+      return np.zeros(m + 1, np.float32)
     if self.kind == 'strings':
-      return ['high'] * samples.shape[0]
-    return [[1.0, 2.0]] * samples.shape[0]
+      return ['high'] * m
+    if self.kind == 'nan':
+      return np.full(m, np.nan, np.float32)
+    if self.kind == 'inf':
+      return np.full(m, np.inf, np.float32)
+    if self.kind == 'bool':
+      return np.ones(m, bool)
+    if self.kind == 'huge':
+      return np.full(m, 1e30, np.float32)
+    if self.kind == 'huge64':
+      return np.full(m, 1e300, np.float64)
+    return [[1.0, 2.0]] * m
 
 
 class Gate:

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -24,12 +25,54 @@ from typing import Dict, List
 
 import numpy as np
 
+from ddrl_jax.rewards import registry
 from ddrl_jax.rewards import wire
 from ddrl_jax.rewards import worker as worker_lib
 
 logger = logging.getLogger(__name__)
 
-FAILURE_KINDS = ('timeout', 'crash', 'garbage', 'error')
+# Why a score entry (one sample's score of one reward) failed. The first four are about the worker (its
+# whole chunk fails); the rest judge each value where it arrives (`judge_scores`): a value that is not a
+# finite number in the reward's bound is never trained on as a score.
+FAILURE_KINDS = ('timeout', 'crash', 'garbage', 'error', 'no_server',
+                 'nan', 'inf', 'bool', 'non_numeric', 'wrong_length', 'out_of_range')
+ERROR_PREFIX = re.compile(r'^samples \d+:\d+ (\w+): ')
+
+
+def judge_scores(value, num, bound, count_nan=True):
+  """A reply's value for one reward -> ((num,) float32 with NaN where invalid, {kind: entries}).
+
+  A bool, non-numeric or wrongly shaped value fails all `num` entries ('bool', 'non_numeric',
+  'wrong_length'); numbers are judged in float64, before any cast: NaN ('nan', unless count_nan is
+  False: a Redis reply's NaN were counted by its server), +-Inf ('inf'), and finite values outside
+  `bound` = (low, high) ('out_of_range', e.g. 1e30, or 1e300 that float32 would turn into inf).
+  """
+  a = value if isinstance(value, np.ndarray) else np.asarray(value) if isinstance(
+      value, (list, tuple, int, float, np.generic)) and not isinstance(value, bool) else None
+  nan = np.full((num,), np.nan, np.float32)
+  if isinstance(value, bool) or (a is not None and a.dtype.kind == 'b'):
+    return nan, {'bool': num}
+  if a is None or a.dtype.kind not in 'iuf':
+    return nan, {'non_numeric': num}
+  if a.shape != (num,):
+    return nan, {'wrong_length': num}
+  a = a.astype(np.float64)
+  is_nan, is_inf = np.isnan(a), np.isinf(a)
+  low, high = bound
+  out = ~is_nan & ~is_inf & ((a < low) | (a > high))
+  counts = {'nan': int(is_nan.sum()) if count_nan else 0, 'inf': int(is_inf.sum()),
+            'out_of_range': int(out.sum())}
+  a[is_inf | out] = np.nan
+  return a.astype(np.float32), {k: v for k, v in counts.items() if v}
+
+
+def errors_by_kind(errors):
+  """{kind: first message} of a RewardResult's errors ('samples a:b <kind>: ...'; others: 'other')."""
+  out = {}
+  for message in errors:
+    m = ERROR_PREFIX.match(message)
+    out.setdefault(m.group(1) if m else 'other', message)
+  return out
 
 
 class RewardServiceError(RuntimeError):
@@ -41,8 +84,9 @@ class RewardResult:
   """Scores of one submitted batch.
 
   scores: reward name -> (M,) float32; NaN where that reward failed for the sample.
-  failures: cause ('timeout', 'crash', 'garbage', 'error') -> number of failed (chunk, reward) pairs.
-  errors: human-readable messages, one per failure.
+  failures: cause (FAILURE_KINDS) -> number of failed score entries (sample x reward): with one reward,
+    samples, so they add up to the trainer's failed_rewards.
+  errors: human-readable messages 'samples a:b <kind>: ...', one per failed chunk and kind.
   """
   scores: Dict[str, np.ndarray]
   failures: Dict[str, int]
@@ -61,9 +105,11 @@ class RewardResult:
 class RewardJob:
   """Future of one batch: `done()`, `result(timeout)`. Filled in by a pool's scheduler."""
 
-  def __init__(self, names, num, chunks):
+  def __init__(self, names, num, chunks, bounds=None):
     self.names = list(names)
     self.num = num
+    self.bounds = {n: registry.score_bound(n, bounds) for n in self.names}
+    self._unscored = num                       # samples of chunks not done yet
     self._scores = {n: np.full((num,), np.nan, np.float32) for n in self.names}
     self._failures = collections.Counter()
     self._errors = []
@@ -80,16 +126,24 @@ class RewardJob:
     with self._lock:
       self._scores[name][sl] = values
 
-  def fail(self, sl, names, kind, message):
+  def fail(self, sl, names, kind, message, entries=None):
+    """NaN for `names` on chunk `sl`, counted as `entries` failed entries of `kind` (default: all)."""
     with self._lock:
       for n in names:
         self._scores[n][sl] = np.nan
-      self._failures[kind] += len(names)
+      self._failures[kind] += (sl.stop - sl.start) * len(names) if entries is None else entries
       self._errors.append(f'samples {sl.start}:{sl.stop} {kind}: {message}')
 
-  def chunk_done(self):
+  def count(self, sl, kind, entries, message):
+    """Counts `entries` failed entries of `kind` in chunk `sl` whose scores are already NaN."""
+    with self._lock:
+      self._failures[kind] += entries
+      self._errors.append(f'samples {sl.start}:{sl.stop} {kind}: {message}')
+
+  def chunk_done(self, sl=None):
     with self._lock:
       self._left -= 1
+      self._unscored -= 0 if sl is None else sl.stop - sl.start
       if self._left <= 0:
         self._event.set()
 
@@ -110,7 +164,7 @@ class RewardJob:
       failures, errors = collections.Counter(self._failures), list(self._errors)
       if not finished:
         self.cancelled = True
-        failures['timeout'] += self._left * len(self.names)
+        failures['timeout'] += max(self._unscored, self._left) * len(self.names)
         errors.append(f'{self._left} chunk(s) still unscored after {timeout} s')
         for n in self.names:   # chunks in flight must not change the result after we return it
           self._scores[n] = self._scores[n].copy()
@@ -119,13 +173,13 @@ class RewardJob:
                         errors=errors)
 
 
-def new_job(specs, samples, prompts, names, chunk_size):
+def new_job(specs, samples, prompts, names, chunk_size, bounds=None):
   """A `RewardJob` over (M, ...) `samples` and M `prompts` (kept on the job), in chunks."""
   samples = np.asarray(samples)
   if len(prompts) != samples.shape[0]:
     raise ValueError(f'{len(prompts)} prompts for {samples.shape[0]} samples')
   names = list(specs) if names is None else list(names)
-  job = RewardJob(names, samples.shape[0], split_chunks(samples.shape[0], chunk_size))
+  job = RewardJob(names, samples.shape[0], split_chunks(samples.shape[0], chunk_size), bounds)
   job.samples, job.prompts = samples, [str(p) for p in prompts]
   return job
 
@@ -134,8 +188,9 @@ def split_chunks(num, chunk_size):
   return [slice(s, min(s + chunk_size, num)) for s in range(0, num, max(1, chunk_size))]
 
 
-def apply_reply(job, sl, reply, num):
-  """Records a worker's reply map for chunk `sl` of `job`, judging every value (garbage -> NaN)."""
+def apply_reply(job, sl, reply, num, count_nan=True):
+  """Records a worker's reply map for chunk `sl` of `job`, judging every value (`judge_scores`: anything
+  but finite numbers in the reward's bound is NaN and counted by kind)."""
   errors, scores = reply.get('errors') or {}, reply.get('scores') or {}
   if not isinstance(errors, dict) or not isinstance(scores, dict):
     job.fail(sl, job.names, 'garbage', f'reply is not a map of scores: {str(reply)[:120]}')
@@ -144,10 +199,17 @@ def apply_reply(job, sl, reply, num):
     if name in errors or '*' in errors:
       job.fail(sl, [name], 'error', f'{name}: {errors.get(name, errors.get("*"))}')
       continue
-    try:
-      job.set_scores(sl, name, wire.check_scores(scores.get(name), num))
-    except wire.WireError as e:
-      job.fail(sl, [name], 'garbage', f'{name}: {e}')
+    values, bad = judge_scores(scores.get(name), num, job.bounds[name], count_nan)
+    job.set_scores(sl, name, values)
+    for kind, entries in bad.items():
+      job.count(sl, kind, entries, f'{name}: {entries} of {num} scores {KIND_WORDS[kind]} '
+                                   f'(bound {job.bounds[name]})' if kind == 'out_of_range' else
+                f'{name}: {entries} of {num} scores {KIND_WORDS[kind]}')
+
+
+KIND_WORDS = {'nan': 'are NaN', 'inf': 'are infinite', 'bool': 'are booleans, not numbers',
+              'non_numeric': 'are not numbers', 'wrong_length': 'do not have one value per sample',
+              'out_of_range': 'are outside the reward\'s bound'}
 
 
 @dataclasses.dataclass
@@ -183,9 +245,10 @@ class WorkerPool:
     self._start_failures = 0                    # consecutive workers that died before 'ready'
 
   # ---------------------------------------------------------------------------------- public
-  def submit(self, samples, prompts, names=None, chunk_size=16):
-    """Queues (M, ...) host `samples` with M `prompts`; returns a `RewardJob` immediately."""
-    job = new_job(self.specs, samples, prompts, names, chunk_size)
+  def submit(self, samples, prompts, names=None, chunk_size=16, bounds=None):
+    """Queues (M, ...) host `samples` with M `prompts`; returns a `RewardJob` immediately. `bounds`:
+    {name: (low, high)} over the registry's score bounds."""
+    job = new_job(self.specs, samples, prompts, names, chunk_size, bounds)
     if self.fatal:
       job.abort(self.fatal)
       return job
@@ -249,7 +312,7 @@ class WorkerPool:
     if w.task is not None:
       job, sl = w.task
       job.fail(sl, job.names, kind, message)
-      job.chunk_done()
+      job.chunk_done(sl)
     logger.warning('reward worker pid %d: %s', w.proc.pid, message)
 
   def _abort_all(self, error):
@@ -270,7 +333,8 @@ class WorkerPool:
         continue
       with self._lock:
         while self._queue and self._queue[0][0].cancelled:
-          self._queue.popleft()[0].chunk_done()
+          job, sl = self._queue.popleft()
+          job.chunk_done(sl)
         if not self._queue:
           return
         job, sl = self._queue.popleft()
@@ -305,7 +369,7 @@ class WorkerPool:
     elif w.task is not None:
       job, sl = w.task
       apply_reply(job, sl, reply, sl.stop - sl.start)
-      job.chunk_done()
+      job.chunk_done(sl)
       w.state, w.task = 'idle', None
 
   def _loop(self):
@@ -346,17 +410,17 @@ class InlinePool:
     self.rewards = worker_lib.build_rewards(self.specs, list(imports))
     self.stats = collections.Counter()
 
-  def submit(self, samples, prompts, names=None, chunk_size=16):
-    job = new_job(self.specs, samples, prompts, names, chunk_size)
+  def submit(self, samples, prompts, names=None, chunk_size=16, bounds=None):
+    job = new_job(self.specs, samples, prompts, names, chunk_size, bounds)
 
     def run():
       for sl in job.chunks:
         if job.cancelled:
-          job.chunk_done()
+          job.chunk_done(sl)
           continue
         message = {'samples': job.samples[sl], 'prompts': job.prompts[sl], 'names': job.names}
         apply_reply(job, sl, worker_lib.score_chunk(self.rewards, message), sl.stop - sl.start)
-        job.chunk_done()
+        job.chunk_done(sl)
 
     threading.Thread(target=run, name='reward-inline', daemon=True).start()
     return job

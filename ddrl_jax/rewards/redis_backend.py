@@ -13,7 +13,8 @@ A server that dies (kill -9, host lost) stops renewing its leases; any server's 
 task back to the queue, so a restarted or surviving server scores it. After `max_attempts` takes a task
 is answered with NaN scores instead of being retried forever.
 
-Request: {id, auth: 'Bearer <token>', names, kwargs, imports, samples, prompts, chunk_size, created}.
+Request: {id, auth: 'Bearer <token>', names, kwargs, imports, bounds, samples, prompts, chunk_size,
+         created}.
 Reply:   {id, scores: {name: (M,) float32}, failures: {cause: n}, errors: [...], server} or
          {id, error, code} (401: bad token; 400: malformed request; 500: server-side failure).
 """
@@ -84,15 +85,16 @@ def connect(url, socket_timeout=30.0):
 
 
 def nan_result(names, num, kind, message):
-  """All samples failed with one cause."""
+  """All samples failed with one cause (num x len(names) entries of `kind`)."""
   return pool_lib.RewardResult(
       scores={n: np.full((num,), np.nan, np.float32) for n in names},
-      failures={k: (len(names) if k == kind else 0) for k in pool_lib.FAILURE_KINDS},
-      errors=[message])
+      failures={k: (num * len(names) if k == kind else 0) for k in pool_lib.FAILURE_KINDS},
+      errors=[f'samples 0:{num} {kind}: {message}'])
 
 
-def decode_reply(raw, names, num):
-  """A server's reply bytes -> RewardResult; RewardServiceError for a rejected token."""
+def decode_reply(raw, names, num, bounds=None):
+  """A server's reply bytes -> RewardResult, every score judged again here where it arrives (its NaN
+  were counted by the server); RewardServiceError for a rejected token."""
   try:
     reply = wire.unpack(raw, required=('id',))
   except wire.WireError as e:
@@ -101,9 +103,10 @@ def decode_reply(raw, names, num):
     if reply.get('code') == 401:
       raise pool_lib.RewardServiceError(f'reward server rejected the bearer token: {reply["error"]}')
     return nan_result(names, num, 'error', f'reward server: {reply["error"]}')
-  job = pool_lib.RewardJob(names, num, [slice(0, num)])
-  pool_lib.apply_reply(job, slice(0, num), {'scores': reply.get('scores'), 'errors': {}}, num)
-  job.chunk_done()
+  job = pool_lib.RewardJob(names, num, [slice(0, num)], bounds)
+  pool_lib.apply_reply(job, slice(0, num), {'scores': reply.get('scores'), 'errors': {}}, num,
+                       count_nan=False)
+  job.chunk_done(slice(0, num))
   result = job.result(0)
   for k, v in (reply.get('failures') or {}).items():
     if k in result.failures and isinstance(v, int):
@@ -112,21 +115,48 @@ def decode_reply(raw, names, num):
   return result
 
 
+# Where a task stands, atomically: 'answered', 'lost' (no payload and no answer: a Redis restart without
+# persistence, or a flush), 'queued', 'processing', or 'requeued' (payload there but the id in neither
+# list, e.g. an AOF that kept the payload but not the list entry: the id is pushed again).
+STATE_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'answered' end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 'lost' end
+if redis.call('LPOS', KEYS[3], ARGV[1]) then return 'queued' end
+if redis.call('LPOS', KEYS[4], ARGV[1]) then return 'processing' end
+redis.call('LPUSH', KEYS[3], ARGV[1])
+return 'requeued'
+"""
+
+REDIS_DOWN_LOG_S = 60.0      # while Redis or every server is gone, say so again this often
+WAIT_LOG_S = 60.0            # a long wait with live servers is reported this often
+
+
 class RedisRewardClient:
   """Submits reward tasks to Redis and collects the replies (same interface as LocalRewardService).
 
-  Connection errors are retried `retries` times with exponential backoff; a reply that does not come
-  within `timeout_s` of the submission yields NaN scores (counted as timeouts) and cancels the task.
+  While a batch is pending the client watches it (every poll, <= 5 s):
+    * Redis unreachable: one line when it starts, one every minute, one when it is back; the wait goes on
+      (bounded by `timeout_s`), and a batch Redis could not take at submission is pushed once it can;
+    * no live reward server (no heartbeat for 10 s): one line within a poll, then every minute; after
+      `no_server_grace_s` the batch fails as counted 'no_server' failures (NaN) and is cancelled,
+      instead of waiting out `timeout_s`;
+    * the task lost by a Redis restart (its payload gone, no answer): resubmitted under the same id, so
+      a server that was scoring it and answers later completes it, and servers score an id once;
+    * a long wait with live servers: one line a minute saying where the task is.
+  A reply that does not come within `timeout_s` of the submission yields NaN scores (counted as
+  timeouts) and cancels the task. Short connection errors are retried `retries` times with backoff.
   """
 
   def __init__(self, url, token, spec, *, chunk_size=16, timeout_s=600.0, retries=3,
-               task_ttl_s=3600, namespace=DEFAULT_NAMESPACE):
+               task_ttl_s=3600, namespace=DEFAULT_NAMESPACE, no_server_grace_s=60.0):
     self.url, self.token, self.spec = url, token, spec
     self.chunk_size, self.timeout_s, self.retries = chunk_size, timeout_s, retries
     self.task_ttl_s = int(task_ttl_s)
+    self.no_server_grace_s = float(no_server_grace_s)
     self.keys = Keys(namespace)
     self.redis = connect(url)
-    self.stats = {'retries': 0}
+    self._state = self.redis.register_script(STATE_LUA)
+    self.stats = {'retries': 0, 'resubmitted': 0, 'requeued': 0, 'redis_outages': 0}
 
   def _retry(self, fn):
     import redis  # pylint: disable=g-import-not-at-top
@@ -148,6 +178,7 @@ class RedisRewardClient:
     return wire.pack({
         'id': task_id or uuid.uuid4().hex, 'auth': f'Bearer {self.token}', 'names': self.spec.names,
         'kwargs': self.spec.kwargs, 'imports': list(self.spec.imports),
+        'bounds': {k: list(v) for k, v in self.spec.bounds.items()},
         'samples': np.ascontiguousarray(samples), 'prompts': [str(p) for p in prompts],
         'chunk_size': self.chunk_size, 'created': time.time()})
 
@@ -159,28 +190,38 @@ class RedisRewardClient:
       pipe.execute()
     self._retry(go)
 
+  def task_state(self, task_id):
+    """'answered', 'lost', 'queued', 'processing' or 'requeued' (see STATE_LUA); one Redis call."""
+    state = self._state(keys=[self.keys.task(task_id), self.keys.result(task_id), self.keys.queue,
+                              self.keys.processing], args=[task_id])
+    return state.decode() if isinstance(state, bytes) else str(state)
+
   def submit(self, samples, prompts):
     samples = np.asarray(samples)
     if len(prompts) != samples.shape[0]:
       raise ValueError(f'{len(prompts)} prompts for {samples.shape[0]} samples')
     task_id = uuid.uuid4().hex
-    pending = _RedisPending(self, task_id, samples.shape[0], time.monotonic() + self.timeout_s)
+    pending = _RedisPending(self, task_id, samples.shape[0], time.monotonic() + self.timeout_s,
+                            self.request(samples, prompts, task_id))
     try:
-      self.push(task_id, self.request(samples, prompts, task_id))
-    except Exception as e:  # Redis unreachable after the retries: this batch fails, training goes on
-      pending.failed = nan_result(self.spec.names, samples.shape[0], 'error',
-                                  f'could not submit to {self.url}: {type(e).__name__}: {e}')
+      self.push(task_id, pending.payload)
+      pending.pushed = True
+    except Exception as e:  # pylint: disable=broad-except  (Redis down: pushed while the batch waits)
+      logger.warning('redis %s: could not submit reward task %s (%s: %s); it is pushed when Redis is '
+                     'back, until the %s s timeout', self.url, task_id, type(e).__name__, e, self.timeout_s)
     return pending
 
   def live_servers(self):
-    return [k.decode() for k in self.redis.scan_iter(match=self.keys.server('*'))]
+    """Names of the servers whose heartbeat (every 2 s, expiring after 10 s) is current."""
+    return [k.decode() for k in self.redis.scan_iter(match=self.keys.server('*'), count=1000)]
 
   def check(self, timeout_s=30.0):
     """Raises RewardServiceError unless a server answers an empty task with this token in time."""
     pending = self.submit(np.zeros((0,), np.float32), [])
     pending.deadline = time.monotonic() + timeout_s
     result = pending.result()
-    if result.failures['timeout']:
+    kinds = pool_lib.errors_by_kind(result.errors)
+    if 'timeout' in kinds or 'no_server' in kinds:
       raise pool_lib.RewardServiceError(
           f'no reward server answered on {self.url} within {timeout_s} s (live servers: '
           f'{self.live_servers()}); start one with python -m ddrl_jax.rewards.serve --redis={self.url}')
@@ -192,39 +233,110 @@ class RedisRewardClient:
 
 
 class _RedisPending:
-  def __init__(self, client, task_id, num, deadline):
+  """One submitted batch: `done()`, and `result()`, which waits watching the task (see the client)."""
+
+  def __init__(self, client, task_id, num, deadline, payload):
     self.client, self.id, self.num, self.deadline = client, task_id, num, deadline
+    self.payload, self.pushed = payload, False
     self.failed = None
     self._result = None
+    self.waited_s = 0.0           # how long result() waited
 
   def done(self):
     if self.failed is not None or self._result is not None:
       return True
-    return bool(self.client._retry(lambda: self.client.redis.exists(self.client.keys.result(self.id))))
+    try:
+      return bool(self.client.redis.exists(self.client.keys.result(self.id)))
+    except Exception:  # pylint: disable=broad-except  (Redis down: not done; result() deals with it)
+      return False
+
+  def _finish(self, result):
+    self._result = result
+    self.payload = None
+    return result
 
   def result(self):
     if self.failed is not None:
       return self.failed
     if self._result is not None:
       return self._result
+    import redis  # pylint: disable=g-import-not-at-top
     c, names = self.client, self.client.spec.names
-    try:
-      while True:
-        left = self.deadline - time.monotonic()
+    start = time.monotonic()
+    down_since = no_server_since = None
+    last_down_log = last_no_server_log = last_wait_log = start
+    while True:
+      now = time.monotonic()
+      self.waited_s = now - start
+      left = self.deadline - now
+      try:
         if left <= 0:
-          c._retry(lambda: c.redis.delete(c.keys.task(self.id)))   # cancel: servers skip it
-          self._result = nan_result(names, self.num, 'timeout',
-                                    f'no reply for task {self.id} within {c.timeout_s} s')
-          return self._result
-        if c._retry(lambda: c.redis.blpop([c.keys.done(self.id)], timeout=max(1, min(5, int(left))))):
-          raw = c._retry(lambda: c.redis.get(c.keys.result(self.id)))
+          try:
+            c.redis.delete(c.keys.task(self.id))       # cancel: servers skip it
+          except redis.RedisError:
+            pass
+          what = 'could not submit it to' if not self.pushed else 'no reply from'
+          kind = 'error' if not self.pushed else 'timeout'
+          return self._finish(nan_result(names, self.num, kind, f'{what} {c.url} for task {self.id} '
+                                         f'within {c.timeout_s} s'))
+        if not self.pushed:
+          c.push(self.id, self.payload)
+          self.pushed = True
+        if c.redis.blpop([c.keys.done(self.id)], timeout=max(1, min(5, int(left)))):
+          raw = c.redis.get(c.keys.result(self.id))
           if raw is None:
-            self._result = nan_result(names, self.num, 'error', f'result of {self.id} expired')
-          else:
-            self._result = decode_reply(raw, names, self.num)
-          return self._result
-    except pool_lib.RewardServiceError:
-      raise
-    except Exception as e:  # Redis gone mid-wait after the retries: NaN for this batch
-      self._result = nan_result(names, self.num, 'error', f'{type(e).__name__}: {e}')
-      return self._result
+            return self._finish(nan_result(names, self.num, 'error', f'result of {self.id} expired'))
+          return self._finish(decode_reply(raw, names, self.num, c.spec.bounds))
+        if down_since is not None:
+          logger.warning('redis %s reachable again after %.1f s; still waiting for task %s', c.url,
+                         time.monotonic() - down_since, self.id)
+          down_since = None
+        state = c.task_state(self.id)
+        if state == 'answered':              # answered, but its done signal was lost
+          raw = c.redis.get(c.keys.result(self.id))
+          if raw is not None:
+            return self._finish(decode_reply(raw, names, self.num, c.spec.bounds))
+        if state == 'lost':
+          c.stats['resubmitted'] += 1
+          logger.warning('reward task %s is no longer in redis %s (restarted without persistence?); '
+                         'resubmitted under the same id', self.id, c.url)
+          c.push(self.id, self.payload)
+        elif state == 'requeued':
+          c.stats['requeued'] += 1
+          logger.warning('reward task %s was in no queue of redis %s; queued again', self.id, c.url)
+        live = c.live_servers()
+        now = time.monotonic()
+        if live:
+          no_server_since = None
+          if now - last_wait_log >= WAIT_LOG_S:
+            logger.warning('waiting %.0f s for the rewards of task %s (%s; %d live server(s))',
+                           now - start, self.id, state, len(live))
+            last_wait_log = now
+        else:
+          if no_server_since is None:
+            no_server_since = last_no_server_log = now
+            logger.warning('no live reward server on %s (task %s %s); start one with python -m '
+                           'ddrl_jax.rewards.serve --redis=%s; this batch fails in %.0f s without one',
+                           c.url, self.id, state, c.url, c.no_server_grace_s)
+          elif now - last_no_server_log >= REDIS_DOWN_LOG_S:
+            logger.warning('no live reward server on %s for %.0f s', c.url, now - no_server_since)
+            last_no_server_log = now
+          if now - no_server_since >= c.no_server_grace_s:
+            c.redis.delete(c.keys.task(self.id))
+            return self._finish(nan_result(
+                names, self.num, 'no_server', f'no live reward server on {c.url} for '
+                f'{now - no_server_since:.0f} s (config.reward.no_server_grace_s)'))
+      except pool_lib.RewardServiceError:
+        raise
+      except (redis.ConnectionError, redis.TimeoutError) as e:
+        now = time.monotonic()
+        if down_since is None:
+          down_since = last_down_log = now
+          c.stats['redis_outages'] += 1
+          logger.warning('redis %s unreachable (%s); waiting for it (task %s, %.0f s left)', c.url,
+                         type(e).__name__, self.id, max(0.0, self.deadline - now))
+        elif now - last_down_log >= REDIS_DOWN_LOG_S:
+          logger.warning('redis %s unreachable for %.0f s', c.url, now - down_since)
+          last_down_log = now
+        no_server_since = None         # servers cannot be seen while Redis is down
+        time.sleep(min(1.0, max(0.0, self.deadline - time.monotonic())))

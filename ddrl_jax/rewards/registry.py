@@ -44,6 +44,20 @@ INPUT_CHECKS = {
     'cosmos_reason1': 'ddrl_jax.rewards.cosmos_reason1:input_problems',
 }
 
+# The range a valid score of each reward lies in, at the scale of the reference the wrapper reproduces;
+# a value outside it is a failure ('out_of_range'), never a score. Rewards not listed: |r| <= DEFAULT_BOUND.
+# config.reward.bounds overrides them by name, e.g. {'linear': (-10.0, 10.0)}.
+DEFAULT_BOUND = 1e6
+SCORE_BOUNDS = {
+    'ocr': (0.0, 1.0), 'ocr_rapid': (0.0, 1.0),             # 1 - normalized edit distance
+    'videoalign': (-100.0, 100.0),                          # z-scores (their mean, sum or one of them)
+    'vbench': (-1.0, 1.0), 'vbench_subject_consistency': (-1.0, 1.0),     # mean cosine similarities
+    'vbench_background_consistency': (-1.0, 1.0), 'vbench_motion_smoothness': (0.0, 1.0),
+    'vbench_aesthetic_quality': (0.0, 1.0), 'vbench_imaging_quality': (0.0, 1.0),   # /10 and /100
+    'cosmos_reason1': (0.0, 1.0),                           # a probability
+    'temporal_smoothness': (-1.0, 0.0), 'mean_intensity': (0.0, 1.0),
+}
+
 _REGISTERED = {}
 
 
@@ -93,3 +107,11 @@ def input_problems(name, kwargs):
     return []
   module, attr = INPUT_CHECKS[name].split(':')
   return getattr(importlib.import_module(module), attr)(kwargs)
+
+
+def score_bound(name, overrides=None):
+  """(low, high) of a valid score of reward `name` (SCORE_BOUNDS, `overrides` first)."""
+  if overrides and name in overrides:
+    low, high = overrides[name]
+    return float(low), float(high)
+  return SCORE_BOUNDS.get(name, (-DEFAULT_BOUND, DEFAULT_BOUND))

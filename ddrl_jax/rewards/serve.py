@@ -5,7 +5,9 @@ redis_backend.py for the protocol). Each one scores in its own `pool.WorkerPool`
 that crashes, hangs or returns garbage costs NaN scores for its chunk, never the server. The bearer
 token comes from --token or the environment variable DDRL_REWARD_TOKEN and is checked on every task.
 A server restarted after a crash resumes the queue, and tasks it held are requeued when their leases
-expire.
+expire. A Redis outage of any length does not stop a server: it logs one line when Redis becomes
+unreachable and one when it is back, retries with backoff (up to 5 s apart) meanwhile, and keeps its
+loaded reward models and the tasks it is scoring; their replies are sent once Redis answers again.
 """
 import collections
 import hmac
@@ -40,12 +42,15 @@ _NAMESPACE = flags.DEFINE_string('namespace', redis_backend.DEFAULT_NAMESPACE, '
 _MAX_TASKS = flags.DEFINE_integer('max_tasks', 0, 'Exit after this many tasks (0: never; tests).')
 
 
+MIN_BACKOFF_S, MAX_BACKOFF_S = 0.25, 5.0
+
+
 class RewardServer:
   """The serving loop; `step()` does one round (take, check finished, renew, reap, heartbeat)."""
 
   def __init__(self, redis_client, token, *, workers=2, chunk_timeout_s=120.0, lease_s=30.0,
                max_attempts=3, max_inflight=4, name=None, imports=(),
-               namespace=redis_backend.DEFAULT_NAMESPACE, max_pools=4):
+               namespace=redis_backend.DEFAULT_NAMESPACE, max_pools=4, url=''):
     if not token:
       raise ValueError('the reward server needs a bearer token (--token or $DDRL_REWARD_TOKEN)')
     self.r, self.token = redis_client, token
@@ -59,7 +64,9 @@ class RewardServer:
     self.take = self.r.register_script(redis_backend.TAKE_LUA)
     self.reap = self.r.register_script(redis_backend.REAP_LUA)
     self.pools = collections.OrderedDict()     # reward spec JSON -> WorkerPool (LRU)
-    self.inflight = {}                         # task id -> (RewardJob, names, num)
+    self.inflight = {}                         # task id -> RewardJob
+    self.outbox = {}                           # task id -> reply not yet delivered (Redis was down)
+    self.url = url
     self.counts = collections.Counter()
     self._last_renew = self._last_reap = self._last_beat = 0.0
 
@@ -92,6 +99,12 @@ class RewardServer:
 
   def start(self, task_id, attempts):
     """Checks and starts one taken task, or answers it at once when it cannot be scored."""
+    if task_id in self.inflight or self.r.exists(self.keys.result(task_id)):
+      # A client resubmitted a task this server is scoring, or one already answered (after a Redis
+      # restart lost its queue entry): the id is the task's identity, so it is scored once.
+      self.r.lrem(self.keys.processing, 0, task_id)
+      self.counts['skipped_duplicate'] += 1
+      return
     raw = self.r.get(self.keys.task(task_id))
     if raw is None:                     # cancelled by its client, or expired
       self.r.lrem(self.keys.processing, 0, task_id)
@@ -114,13 +127,14 @@ class RewardServer:
       return
     if attempts > self.max_attempts:
       self.counts['gave_up'] += 1
-      msg = f'gave up after {attempts - 1} attempts (the servers scoring it died)'
+      msg = (f'samples 0:{len(prompts)} crash: gave up after {attempts - 1} attempts (the servers '
+             'scoring it died)')
       self.reply(task_id, {'scores': {n: np.full(len(prompts), np.nan, np.float32) for n in names},
-                           'failures': {'crash': len(names)}, 'errors': [msg]})
+                           'failures': {'crash': len(prompts) * len(names)}, 'errors': [msg]})
       return
     try:
       job = self.pool_for(task['kwargs']).submit(samples, prompts, names,
-                                                 int(task.get('chunk_size') or 16))
+                                                 int(task.get('chunk_size') or 16), task.get('bounds'))
     except Exception as e:  # e.g. an unknown reward name in kwargs
       self.reject(task_id, 400, f'cannot score: {type(e).__name__}: {e}')
       return
@@ -145,16 +159,20 @@ class RewardServer:
     return None
 
   def finish(self):
+    """Replies for every finished task; a reply Redis did not take stays in the outbox (and the task in
+    flight) for the next round."""
     for task_id, job in list(self.inflight.items()):
       if not job.done():
         continue
-      del self.inflight[task_id]
-      try:
-        result = job.result(0)
-        message = {'scores': result.scores, 'failures': result.failures, 'errors': result.errors}
-      except pool_lib.RewardServiceError as e:
-        message = {'error': str(e), 'code': 500}
-      self.reply(task_id, message)
+      if task_id not in self.outbox:
+        try:
+          result = job.result(0)
+          self.outbox[task_id] = {'scores': result.scores, 'failures': result.failures,
+                                  'errors': result.errors}
+        except pool_lib.RewardServiceError as e:
+          self.outbox[task_id] = {'error': str(e), 'code': 500}
+      self.reply(task_id, self.outbox[task_id])
+      del self.inflight[task_id], self.outbox[task_id]
       self.counts['answered'] += 1
 
   # ------------------------------------------------------------------------------------ loop
@@ -186,17 +204,38 @@ class RewardServer:
 
   def serve(self, max_tasks=0):
     logger.info('reward server %s serving %s', self.name, self.keys.ns)
+    import redis  # pylint: disable=g-import-not-at-top
+    outage, delay = None, MIN_BACKOFF_S
     try:
       while not max_tasks or self.counts['answered'] + sum(
           v for k, v in self.counts.items() if k.startswith('rejected')) < max_tasks:
-        self.step()
+        try:
+          self.step()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+          if outage is None:
+            outage = time.monotonic()
+            self.counts['redis_outages'] += 1
+            logger.warning('redis %s unreachable (%s); keeping %d loaded reward pool(s) and %d task(s) '
+                           'in flight, retrying until it is back', self.url or self.keys.ns,
+                           type(e).__name__, len(self.pools), len(self.inflight))
+          time.sleep(delay)
+          delay = min(2 * delay, MAX_BACKOFF_S)
+          continue
+        if outage is not None:
+          logger.warning('redis %s reachable again after %.1f s; %d task(s) in flight, %d reply(ies) '
+                         'to deliver', self.url or self.keys.ns, time.monotonic() - outage,
+                         len(self.inflight), len(self.outbox))
+          outage, delay = None, MIN_BACKOFF_S
     finally:
       self.close()
 
   def close(self):
     for p in self.pools.values():
       p.close()
-    self.r.delete(self.keys.server(self.name))
+    try:
+      self.r.delete(self.keys.server(self.name))
+    except Exception:  # pylint: disable=broad-except  (Redis gone: the heartbeat expires by itself)
+      pass
 
 
 def main(argv):
@@ -206,7 +245,8 @@ def main(argv):
   server = RewardServer(redis_backend.connect(_REDIS.value), token, workers=_WORKERS.value,
                         chunk_timeout_s=_CHUNK_TIMEOUT.value, lease_s=_LEASE.value,
                         max_attempts=_MAX_ATTEMPTS.value, max_inflight=_MAX_INFLIGHT.value,
-                        name=_NAME.value, imports=_IMPORTS.value, namespace=_NAMESPACE.value)
+                        name=_NAME.value, imports=_IMPORTS.value, namespace=_NAMESPACE.value,
+                        url=_REDIS.value)
   server.serve(_MAX_TASKS.value)
 
 

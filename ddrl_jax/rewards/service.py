@@ -32,11 +32,13 @@ class RewardSpec:
   combine: 'advantage_mean' (cosmos-rl: a group advantage per reward, then their weighted mean) or
     'weighted_sum' (one advantage of sum_i w_i r_i).
   imports: modules that register custom rewards (imported in the trainer and in every worker).
+  bounds: name -> (low, high) of a valid score, over registry.SCORE_BOUNDS (config.reward.bounds).
   """
   weights: Dict[str, float]
   kwargs: Dict[str, dict]
   combine: str = 'advantage_mean'
   imports: Tuple[str, ...] = ()
+  bounds: Dict[str, tuple] = dataclasses.field(default_factory=dict)
 
   @property
   def names(self):
@@ -63,9 +65,15 @@ class RewardSpec:
       raise ValueError(f'config.reward.kwargs names unknown rewards: {stray}; known: {known}')
     if reward_config.combine not in COMBINE_MODES:
       raise ValueError(f'config.reward.combine={reward_config.combine!r}; known: {COMBINE_MODES}')
+    bounds = {k: tuple(v) for k, v in dict(reward_config.get('bounds') or {}).items()}
+    for name, bound in bounds.items():
+      if name not in fns or len(bound) != 2 or not float(bound[0]) < float(bound[1]):
+        raise ValueError(f'config.reward.bounds.{name}={bound!r}: give (low, high) with low < high for a '
+                         f'reward in config.reward.fns')
     return cls(weights={k: float(v) for k, v in fns.items()},
                kwargs={n: kwargs.get(n, {}) for n in fns}, combine=reward_config.combine,
-               imports=tuple(reward_config.imports))
+               imports=tuple(reward_config.imports),
+               bounds={k: (float(v[0]), float(v[1])) for k, v in bounds.items()})
 
 
 class LocalRewardService:
@@ -83,8 +91,8 @@ class LocalRewardService:
       self.pool = pool_lib.InlinePool(spec.kwargs, imports=spec.imports)
 
   def submit(self, samples, prompts):
-    return _Pending(self.pool.submit(samples, prompts, self.spec.names, self.chunk_size),
-                    self.result_timeout_s)
+    return _Pending(self.pool.submit(samples, prompts, self.spec.names, self.chunk_size,
+                                     self.spec.bounds), self.result_timeout_s)
 
   def close(self):
     self.pool.close()
@@ -118,7 +126,7 @@ def make_reward_service(reward_config):
                        f'variable {c.token_env} (config.reward.token_env), the same the server has')
     return redis_backend.RedisRewardClient(
         c.redis_url, token, spec, chunk_size=c.chunk_size, timeout_s=c.timeout_s,
-        retries=c.retries, task_ttl_s=c.task_ttl_s)
+        retries=c.retries, task_ttl_s=c.task_ttl_s, no_server_grace_s=c.get('no_server_grace_s', 60.0))
   raise ValueError(f"config.reward.backend={c.backend!r}; known: 'local', 'redis'")
 
 
