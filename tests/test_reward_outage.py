@@ -191,6 +191,24 @@ def test_a_dead_server_is_noticed_and_a_new_one_finishes_the_task(redis_server, 
   np.testing.assert_allclose(got['result'].scores['debug_sleep'], EXPECTED, rtol=1e-6)
 
 
+def test_a_server_killed_mid_task_is_reported_while_another_rescores_it(redis_server, servers, caplog):
+  """Two servers; the one scoring the task is killed -9: the waiting client says so once the task is
+  taken again (lease 1.5 s), and the survivor's scores arrive."""
+  caplog.set_level(logging.WARNING)
+  a = servers(name='a', max_inflight=1)
+  svc = client(redis_server.url, {'debug_sleep': 1.0}, {'debug_sleep': {'seconds': 4.0}})
+  wait_for_server(svc)
+  pending = svc.submit(IMAGES, ['x'] * 8)
+  while not svc.redis.get(svc.keys.lease(pending.id)):
+    time.sleep(0.05)
+  servers(name='b', max_inflight=1)
+  a.kill()
+  a.wait()
+  result = pending.result()
+  np.testing.assert_allclose(result.scores['debug_sleep'], EXPECTED, rtol=1e-6)
+  assert svc.stats['retaken'] == 1 and 'taken again (attempt 2)' in caplog.text
+
+
 @pytest.mark.slow
 def test_trainer_loses_no_iteration_to_a_redis_restart(redis_server, servers, tmp_path):
   """toy2d over the Redis service; Redis is killed (empty again) for 2 s right after iteration 2's

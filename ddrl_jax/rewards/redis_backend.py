@@ -156,7 +156,7 @@ class RedisRewardClient:
     self.keys = Keys(namespace)
     self.redis = connect(url)
     self._state = self.redis.register_script(STATE_LUA)
-    self.stats = {'retries': 0, 'resubmitted': 0, 'requeued': 0, 'redis_outages': 0}
+    self.stats = {'retries': 0, 'resubmitted': 0, 'requeued': 0, 'retaken': 0, 'redis_outages': 0}
 
   def _retry(self, fn):
     import redis  # pylint: disable=g-import-not-at-top
@@ -264,6 +264,7 @@ class _RedisPending:
     c, names = self.client, self.client.spec.names
     start = time.monotonic()
     down_since = no_server_since = None
+    last_attempts = 0
     last_down_log = last_no_server_log = last_wait_log = start
     while True:
       now = time.monotonic()
@@ -304,6 +305,12 @@ class _RedisPending:
         elif state == 'requeued':
           c.stats['requeued'] += 1
           logger.warning('reward task %s was in no queue of redis %s; queued again', self.id, c.url)
+        attempts = int(c.redis.get(f'{c.keys.ns}:attempts:{self.id}') or 0)
+        if attempts > max(1, last_attempts):
+          c.stats['retaken'] += 1
+          logger.warning('reward task %s taken again (attempt %d): the server scoring it stopped '
+                         'renewing its lease (killed?)', self.id, attempts)
+        last_attempts = max(last_attempts, attempts)
         live = c.live_servers()
         now = time.monotonic()
         if live:
