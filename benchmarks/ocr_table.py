@@ -146,6 +146,10 @@ PLANS = {
                        [f'flow_grpo_exact_kl@rl.kl_beta={b}:0,1,2' for b in KL_BETAS]),
     'controls': 'flow_grpo_ddrl_recipe:0,1,2',
     'data_only': 'ddrl_data_only:0,1,2',
+    # Issue 45's deciding experiment on the full-data base (pre-registered in RESULTS.md): path-KL DDRL
+    # against exact-KL FlowGRPO, 3 seeds, --iterations=600 --eval_every=50.
+    'decide': ';'.join([f'ddrl@rl.data_beta={b}@rl.data_weighting=path_kl:0,1,2' for b in (0.03, 0.1, 0.3)] +
+                       [f'flow_grpo_exact_kl@rl.kl_beta={b}:0,1,2' for b in (0.004, 0.01)]),
 }
 
 
