@@ -728,19 +728,27 @@ JUDGES = (('typicality', 'typicality (judge x0 MSE)', '.4f'),
           ('fd_recognizer', 'FD, recognizer features', '.2f'),
           ('style_drift_from_reference', 'drift from base', '.2f'),
           ('heldout_diffusion_loss', 'held-out diffusion loss', '.4f'))
+# The matched-reward table reads every judge, these two included (higher = nearer the data's variety), so
+# no verdict rests on a subset chosen after the fact.
+MATCHED_JUDGES = JUDGES + (('colour_spread', 'colour spread (higher = the data\'s variety)', '.3f'),
+                           ('diversity', 'diversity (higher = more varied)', '.3f'))
 
 
 def sweeps(methods):
-  """{'<name>@<key>': [(value, method), ...] sorted by value} of methods with one override that differ
-  only in its value (a sweep needs two or more)."""
+  """{sweep name: [(value, method), ...] sorted by value}: methods of one preset whose overrides differ in
+  exactly one numeric key (a sweep needs two or more settings). The name is '<preset>@<key>' for methods
+  with that one override, and '<preset>@<fixed key>=<value>...@<key>' when other overrides are held fixed
+  (e.g. 'ddrl@rl.data_weighting=path_kl@rl.data_beta'). Values ascend from weak to strong regularization
+  (data_beta, kl_beta)."""
   out = collections.defaultdict(list)
   for m in methods:
     name, _, text = m.partition('@')
     overrides = parse_overrides(text)
-    if len(overrides) == 1:
-      (key, value), = overrides.items()
-      if isinstance(value, (int, float)):
-        out[f'{name}@{key}'].append((float(value), m))
+    for key, value in overrides.items():
+      if not isinstance(value, (int, float)) or isinstance(value, bool):
+        continue
+      fixed = ''.join(f'@{k}={v}' for k, v in sorted(overrides.items()) if k != key)
+      out[f'{name}{fixed}@{key}'].append((float(value), m))
   return {k: sorted(v) for k, v in out.items() if len(v) >= 2}
 
 
@@ -774,14 +782,21 @@ def frontier_table(rows, iteration=None):
 
 
 def _interpolate_at(level, ys, xs):
-  """The smallest x on the piecewise-linear curve through (ys[i], xs[i]) (in sweep order) where y =
-  `level`; None if no segment reaches it."""
-  best = None
-  for (y0, x0), (y1, x1) in zip(zip(ys, xs), zip(ys[1:], xs[1:])):
+  """x where the piecewise-linear curve through (ys[i], xs[i]) first reaches y = `level`, walking the
+  frontier from its strongest regularization (the last point: settings ascend from weak to strong)
+  toward weaker: the most regularized point at that reward. None if no segment reaches it. (A frontier
+  that crosses the level twice gives the crossing nearer the strong end, whatever the judge's values.)"""
+  points = list(zip(ys, xs))[::-1]
+  for (y0, x0), (y1, x1) in zip(points, points[1:]):
     if min(y0, y1) <= level <= max(y0, y1):
-      x = x0 if y1 == y0 else x0 + (level - y0) * (x1 - x0) / (y1 - y0)
-      best = x if best is None else min(best, x)
-  return best
+      return x0 if y1 == y0 else x0 + (level - y0) * (x1 - x0) / (y1 - y0)
+  return None
+
+
+def bootstrap_stream(name):
+  """The random stream of one sweep's bootstrap: independent experiments get independent resamples (a
+  shared seed would give two sweeps with the same seed layout identical picks, correlating them)."""
+  return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
 
 
 def matched_judge(rows, methods, level, judge, reward='ocr_heldout', iteration=None, draws=2000, seed=0):
@@ -825,8 +840,9 @@ def matched_table(rows, levels=(0.45, 0.55), iteration=None):
     head.append(f'{names[0]} - {names[1]}')
   lines = markdown_head(head)
   for level in levels:
-    for judge, title, fmt in JUDGES:
-      found = [matched_judge(rows, [m for _, m in fams[n]], level, judge, iteration=iteration) for n in names]
+    for judge, title, fmt in MATCHED_JUDGES:
+      found = [matched_judge(rows, [m for _, m in fams[n]], level, judge, iteration=iteration,
+                             seed=bootstrap_stream(n)) for n in names]
       texts = [('not reached' if f is None else f'{f[0]:{fmt}} [{f[1]:{fmt}}, {f[2]:{fmt}}]') for f in found]
       if len(names) >= 2:
         a, b = found[0], found[1]

@@ -674,3 +674,73 @@ def test_labelled_rows_place_each_image_under_its_caption():
   assert (grid[:14] < 255).any()                                            # a caption was drawn
   with pytest.raises(ValueError, match='every row needs'):
     image_grid.labelled_rows([('a', one), ('b', np.zeros((1, 4, 6, 3), np.uint8))])
+
+
+
+def _frontier_rows(ys_by_setting, judge_by_setting, name='ddrl', key='rl.data_beta', seeds=3, noise=0.01,
+                   rng=None):
+  """Rows of a sweep whose settings (ascending, weak -> strong) have the given mean OCR and judge."""
+  rng = rng or np.random.default_rng(0)
+  rows = []
+  for i, (y, j) in enumerate(zip(ys_by_setting, judge_by_setting)):
+    for seed in range(seeds):
+      rows.append(_row(f'{name}@{key}={10.0 ** (i - 2)}', seed, 200, y + noise * rng.standard_normal(),
+                       typicality=j + noise * rng.standard_normal()))
+  return rows
+
+
+def test_a_frontier_crossing_the_level_twice_is_read_at_the_crossing_nearest_strong_regularization():
+  """Settings weak -> strong with OCR 0.6, 0.4, 0.6, 0.4: the level 0.5 is crossed three times; the rule
+  walks from the strongest setting toward weaker ones and takes the first crossing (between the last two
+  settings), not the smallest judge value and not the weak end's."""
+  rows = _frontier_rows((0.6, 0.4, 0.6, 0.4), (0.30, 0.20, 0.10, 0.50), noise=0.0)
+  methods = [m for _, m in ocr_table.sweeps(list(ocr_table.by_cell(rows)))['ddrl@rl.data_beta']]
+  value, *_ = ocr_table.matched_judge(rows, methods, 0.5, 'typicality', draws=10)
+  assert value == pytest.approx(0.30)          # halfway between 0.10 and 0.50; min rule: 0.15, weak end: 0.25
+  assert ocr_table._interpolate_at(0.5, [0.6, 0.4], [1.0, 3.0]) == pytest.approx(2.0)
+
+
+def test_sweeps_hold_other_overrides_fixed():
+  methods = [f'ddrl@rl.data_beta={b}@rl.data_weighting=path_kl' for b in (0.03, 0.1, 0.3)] + [
+      f'flow_grpo_exact_kl@rl.kl_beta={b}' for b in (0.004, 0.01)] + ['ddrl@rl.data_beta=0.1']
+  fams = ocr_table.sweeps(methods)
+  assert list(fams) == ['ddrl@rl.data_weighting=path_kl@rl.data_beta', 'flow_grpo_exact_kl@rl.kl_beta']
+  assert [v for v, _ in fams['ddrl@rl.data_weighting=path_kl@rl.data_beta']] == [0.03, 0.1, 0.3]
+  plan = ocr_table.parse_cells(ocr_table.PLANS['decide'])
+  assert len(plan) == 15 and plan[0][1] == 0 and plan[-1][1] == 2
+
+
+def test_matched_bootstrap_streams_are_independent_per_sweep_and_the_interval_is_95_percent(monkeypatch):
+  """Two sweeps with the same seed layout: a shared stream would resample both identically (their
+  bootstrap values perfectly rank-correlated); each sweep's own stream does not. The interval is the
+  2.5 and 97.5 percentiles of the resamples, no other pair."""
+  rng = np.random.default_rng(3)
+  rows = (_frontier_rows((0.6, 0.5, 0.4), (0.1, 0.2, 0.3), rng=rng, noise=0.03) +
+          _frontier_rows((0.6, 0.5, 0.4), (0.1, 0.2, 0.3), name='flow_grpo_exact_kl', key='rl.kl_beta',
+                         rng=rng, noise=0.03))
+  fams = ocr_table.sweeps(list(ocr_table.by_cell(rows)))
+  a_name, b_name = list(fams)
+  a_methods = [m for _, m in fams[a_name]]
+  b_methods = [m for _, m in fams[b_name]]
+  shared = [ocr_table.matched_judge(rows, ms, 0.5, 'typicality', seed=0)[3] for ms in (a_methods, b_methods)]
+  picks_a = np.random.default_rng(0).integers(0, 3, 3)
+  picks_b = np.random.default_rng(0).integers(0, 3, 3)
+  assert (picks_a == picks_b).all()        # the old scheme: the same picks for both sweeps
+  own = [ocr_table.matched_judge(rows, ms, 0.5, 'typicality', seed=ocr_table.bootstrap_stream(n))[3]
+         for ms, n in ((a_methods, a_name), (b_methods, b_name))]
+  assert ocr_table.bootstrap_stream(a_name) != ocr_table.bootstrap_stream(b_name)
+  rank = lambda v: np.argsort(np.argsort(np.nan_to_num(v)))
+  corr_shared = np.corrcoef(rank(shared[0]), rank(shared[1]))[0, 1]
+  corr_own = np.corrcoef(rank(own[0]), rank(own[1]))[0, 1]
+  assert corr_shared > 0.8 and abs(corr_own) < 0.1, (corr_shared, corr_own)
+  value, low, high, boot = ocr_table.matched_judge(rows, a_methods, 0.5, 'typicality',
+                                                   seed=ocr_table.bootstrap_stream(a_name))
+  assert (low, high) == tuple(np.nanpercentile(boot, [2.5, 97.5]))
+  assert low < np.nanpercentile(boot, 25) and high > np.nanpercentile(boot, 75)
+  seeds = []
+  judge = ocr_table.matched_judge
+  monkeypatch.setattr(ocr_table, 'matched_judge', lambda *a, **k: seeds.append(k['seed']) or judge(*a, **k))
+  text = ocr_table.matched_table(rows, levels=(0.5,))
+  assert set(seeds) == {ocr_table.bootstrap_stream(a_name), ocr_table.bootstrap_stream(b_name)}
+  for title in ('colour spread', 'diversity', 'typicality'):
+    assert title in text
