@@ -57,7 +57,7 @@ def base_config():
       data_loss_steps='full',   # 'full', 'first' (cosmos-rl data_on_first_only) or 'random_step'
       data_noise='rollout',     # 'rollout' or 'fresh'
       cond_dropout=0.2,
-      data_weighting='cosmos',  # 'cosmos', 'path_kl' or 'none'
+      data_weighting='cosmos',  # 'cosmos' (t^2+(1-t)^2), 'path_kl', 'eps_mse' (the paper's, (1-t)^2), 'none'
       kl_beta=0.0,
       kl_form='exact',          # 'exact' (Gaussian step KL) or 'flow_grpo' (FlowGRPO's code: x |dt|)
       loss_scale=10.0,

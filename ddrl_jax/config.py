@@ -7,6 +7,7 @@ from ddrl_jax.parallel import plan as plan_lib
 from ddrl_jax.parallel import rules as rules_lib
 from ddrl_jax.rl import advantages
 from ddrl_jax.rl import algorithms
+from ddrl_jax.rl import diffusion_loss
 from ddrl_jax.rl import nft
 
 ADV_TRANSFORMS = ('', 'neg_exp', 'exact')
@@ -90,8 +91,8 @@ def validate(config, num_devices):
          f"known: {algorithms.DATA_STEP_MODES} ('reduced' = 'random_step')")
   _check(rl.data_noise in ('rollout', 'fresh'), 'rl.data_noise', rl.data_noise,
          "known: 'rollout', 'fresh'")
-  _check(rl.data_weighting in ('cosmos', 'path_kl', 'none'), 'rl.data_weighting',
-         rl.data_weighting, "known: 'cosmos', 'path_kl', 'none'")
+  _check(rl.data_weighting in diffusion_loss.WEIGHTINGS, 'rl.data_weighting',
+         rl.data_weighting, f'known: {diffusion_loss.WEIGHTINGS}')
   _check(0 <= rl.cond_dropout < 1, 'rl.cond_dropout', rl.cond_dropout, 'must be in [0, 1)')
   _check(rl.kl_beta >= 0, 'rl.kl_beta', rl.kl_beta, 'must be >= 0')
   _check(rl.kl_form in algorithms.KL_FORMS, 'rl.kl_form', rl.kl_form, f'known: {algorithms.KL_FORMS}')

@@ -340,6 +340,27 @@ def test_path_kl_weighted_data_loss(rollouts, tiny_mlp):
   np.testing.assert_allclose(float(m['data_loss']), per.mean(), rtol=1e-4)
 
 
+def test_eps_mse_weighted_data_loss_is_the_papers_epsilon_mse(rollouts, tiny_mlp):
+  """weighting='eps_mse' equals Algorithm 1's unweighted MSE of the predicted noise, computed in numpy
+  from eps_hat = x_t + (1 - t) v_hat (not from the (1 - t)^2 weight it reduces to)."""
+  s, traj = rollouts['ddrl']
+  steps = (0, 3, 6)
+  x0 = np.repeat(np.asarray(_data_x0(), np.float64)[:, None], N, axis=1)
+  eps = np.asarray(traj.noise, np.float64)
+  cond = np.repeat(np.asarray(_cond()), N, axis=0)
+  per = []
+  for k in steps:
+    t = np.asarray(traj.t_in, np.float64)[:, :, k]
+    x_t = (1 - t[..., None]) * x0 + t[..., None] * eps
+    v = tiny_mlp.np_apply(tiny_mlp.params, x_t.reshape(B * N, 2), t.reshape(-1), cond).reshape(B, N, 2)
+    eps_hat = x_t + (1 - t[..., None]) * v
+    per.append(((eps_hat - eps)**2).mean(-1))
+  data = rl.DataTerm(_data_x0(), _cond(), beta=0.5, steps='full', cond_dropout=0.0, weighting='eps_mse')
+  _, m = rl.rl_loss(tiny_mlp.apply_fn, tiny_mlp.params, s, traj, _advantages(), _steps(steps), _cond(),
+                    jax.random.key(0), clip_range=1e-4, data=data)
+  np.testing.assert_allclose(float(m['data_loss']), np.mean(per), rtol=1e-4)
+
+
 # --------------------------------------------------------------------------------------- (e) KL
 def test_flow_grpo_kl(rollouts, tiny_mlp):
   s, traj = rollouts['flow_grpo']

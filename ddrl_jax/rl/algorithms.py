@@ -77,7 +77,8 @@ class DataTerm:
     paper's "randomly sample t": N(1 + |T|) calls). 'reduced' is an alias of 'random_step'.
   noise: 'rollout' (the rollout's initial noise, cosmos-rl's use_rl_sigma_and_noise) or 'fresh'.
   cond_dropout: probability of the null (zero) condition per sample.
-  weighting: 'cosmos' (t^2 + (1-t)^2), 'path_kl' (the sampler's exact per-step KL weight) or 'none'.
+  weighting: 'cosmos' (t^2 + (1-t)^2), 'path_kl' (the sampler's exact per-step KL weight), 'eps_mse'
+    ((1-t)^2: the paper's Algorithm 1, an unweighted epsilon-MSE) or 'none'.
   """
   x0: Any
   cond: Any
@@ -116,6 +117,8 @@ def _data_loss_at(apply_fn, params, sampler, inp, traj_noise, data, key):
     weight = None
   elif data.weighting == 'path_kl':
     weight = sampler.path_kl_weight(inp).reshape(-1)
+  elif data.weighting == 'eps_mse':
+    weight = diffusion_loss.eps_mse_weight(inp.t_in.reshape(-1))
   else:
     weight = jnp.ones((b * n,), jnp.float32)
   return diffusion_loss.velocity_loss(apply_fn, params, x0, noise, inp.t_in.reshape(-1), cond,

@@ -2,12 +2,18 @@
 import jax
 import jax.numpy as jnp
 
-WEIGHTINGS = ('cosmos', 'path_kl', 'none')
+WEIGHTINGS = ('cosmos', 'path_kl', 'eps_mse', 'none')
 
 
 def cosmos_loss_weight(t):
   """cosmos-rl's data-loss weight in velocity form: EDM (sigma^2 + 1)/sigma^2 on x0-MSE = t^2 + (1-t)^2."""
   return t**2 + (1.0 - t)**2
+
+
+def eps_mse_weight(t):
+  """The DDRL paper's Algorithm 1 (an unweighted epsilon-MSE) in velocity form: eps_hat = x_t + (1 - t) v_hat,
+  so |eps_hat - eps|^2 = (1 - t)^2 |v_hat - v|^2."""
+  return (1.0 - t)**2
 
 
 def drop_condition(cond, key, rate):
