@@ -133,6 +133,7 @@ def shrink_for_smoke(config, preset):
   """The CPU smoke size of a prompt-task recipe (configs/sd35m.py, wan_common.py): 2 iterations of 2 groups
   x 2 rollouts, 4 sampler steps (6 to evaluate, at the end only), DDRL training steps 0 and 2, rewards
   scored in a thread, LoRA rank 4. The model section is shrunk by the caller."""
+  config.require_inputs = False    # tiny random models on purpose
   config.num_iterations = 2
   config.batch_size = 2
   config.num_rollouts = 2

@@ -126,6 +126,7 @@ def get_config(arg='ddrl'):
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
 
+  c.require_inputs = True           # converted weights (and DDRL's records) or a one-line stop
   if smoke:
     common.shrink_for_smoke(c, preset)
     sd = c.sd3

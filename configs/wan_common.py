@@ -156,6 +156,7 @@ def get_config(model, arg='flow_grpo'):
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=FSDP[model], context=1, tensor=1))
 
+  c.require_inputs = True           # converted weights (and DDRL's records) or a one-line stop
   if smoke:
     common.shrink_for_smoke(c, preset)
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))

@@ -95,6 +95,34 @@ class PromptTask(base.FamilyTask):
     self._vae = None
     self._readers = None
 
+  # Set by subclasses for `required_inputs`: the text-encoder key of the section, and the converter model
+  # names of the DiT (by config.<section>.model) and the VAE.
+  TEXT_ENCODER_KEY = 'text_encoder'
+  CONVERT_MODELS = {}
+  CONVERT_VAE = ''
+  WEIGHTS_SOURCE = '<diffusers pipeline folder>'
+
+  def required_inputs(self):
+    """What a full run of this task needs (`ddrl_jax.preflight`, when config.require_inputs): the
+    converted DiT and VAE, the text encoders' folder, and DDRL's records (the base's own samples)."""
+    from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
+    c, sec, src = self.c, self.SECTION, self.WEIGHTS_SOURCE
+    model = self.CONVERT_MODELS.get(c.model, c.model)
+    out = [preflight.Input(f'{sec}.checkpoint', c.checkpoint, f'the converted {c.model} transformer',
+                           f'python -m ddrl_jax.models.convert --model={model} --source={src}/transformer '
+                           '--out=<dir>'),
+           preflight.Input(f'{sec}.vae_checkpoint', c.vae_checkpoint, 'the converted VAE',
+                           f'python -m ddrl_jax.models.convert --model={self.CONVERT_VAE} --source={src}/vae '
+                           '--out=<dir>'),
+           preflight.Input(f'{sec}.{self.TEXT_ENCODER_KEY}', c.get(self.TEXT_ENCODER_KEY, ''),
+                           'the text encoders', f'{src} (its text encoder and tokenizer folders)')]
+    algo = rl_algorithms.get_algorithm(self.config.algorithm)
+    if algo.uses_data and self.config.rl.data_beta > 0:
+      out.append(preflight.Input('data.path', self.config.data.path, "the data term's records (the base's "
+                                 'own samples)', 'python -m ddrl_jax.data.synthesize --config=<this config> '
+                                 '--out=<dir>'))
+    return out
+
   # --------------------------------------------------------------------------------- hooks
   def _make_encoder(self):
     raise NotImplementedError

@@ -62,6 +62,9 @@ class SD3OCR(prompt_task.PromptTask):
 
   DEFAULT_FAMILY = 'sd3'
   SECTION = 'sd3'
+  TEXT_ENCODER_KEY = 'text_encoders'
+  CONVERT_VAE = 'sd35_vae'
+  WEIGHTS_SOURCE = '<diffusers SD3.5 folder>'
   TEXT_FIELDS = {'text': 'text_embedding', 'pooled': 'pooled_embedding'}
   SHAPE_KEY = 'config.sd3.resolution'
   DECODE_PERM = (0, 2, 3, 1)             # (M, 3, H, W) -> (M, H, W, 3)

@@ -59,6 +59,8 @@ class WanT2V(prompt_task.PromptTask):
 
   DEFAULT_FAMILY = 'wan'
   SECTION = 'wan'
+  CONVERT_VAE = 'wan21_vae'
+  WEIGHTS_SOURCE = '<diffusers Wan2.1-T2V folder>'
   TEXT_FIELDS = {'text': 'text_embedding'}
   SHAPE_KEY = 'config.wan.latent_shape'
   DECODE_PERM = (0, 2, 3, 4, 1)          # (M, 3, F, H, W) -> (M, F, H, W, 3)

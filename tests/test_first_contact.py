@@ -1,0 +1,64 @@
+"""First contact with the full-size presets: without converted weights (or DDRL's records) every family's
+full preset stops before anything is built, in one line naming each missing input and the command that
+makes it; `:smoke` presets and `--config.require_inputs=False` (random weights on purpose) go on."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import cosmos2b
+from configs import sd35m
+from configs import wan1_3b
+from ddrl_jax import preflight
+from ddrl_jax import tasks
+from ddrl_jax import trainer as trainer_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (config spec, get_config, arg, the keys its missing-input line must name)
+FULL = [
+    ('configs/sd35m.py:flow_grpo', sd35m.get_config, 'flow_grpo',
+     ('config.sd3.checkpoint', 'config.sd3.vae_checkpoint', 'config.sd3.text_encoders',
+      '--model=sd35_medium', '--model=sd35_vae')),
+    ('configs/sd35m.py:ddrl', sd35m.get_config, 'ddrl',
+     ('config.sd3.checkpoint', 'config.data.path', 'python -m ddrl_jax.data.synthesize')),
+    ('configs/wan1_3b.py:flow_grpo', wan1_3b.get_config, 'flow_grpo',
+     ('config.wan.checkpoint', 'config.wan.vae_checkpoint', 'config.wan.text_encoder', '--model=wan1_3b',
+      '--model=wan21_vae')),
+    ('configs/cosmos2b.py', cosmos2b.get_config, '',
+     ('config.cosmos.checkpoint', 'config.cosmos.text_encoder', 'config.data.path')),
+]
+
+
+@pytest.mark.parametrize('spec, get_config, arg, keys', FULL, ids=[f[0] for f in FULL])
+def test_full_presets_name_every_missing_input_before_building(spec, get_config, arg, keys, tmp_path):
+  config = get_config(arg) if arg else get_config()
+  assert config.require_inputs
+  with pytest.raises(preflight.MissingInputs) as e:
+    trainer_lib.Trainer(config, str(tmp_path / 'run'))
+  text = str(e.value)
+  assert '\n' not in text and not os.path.exists(tmp_path / 'run')
+  for key in keys:
+    assert key in text, (key, text)
+  if 'ddrl' not in spec and 'cosmos' not in spec:
+    assert 'config.data.path' not in text        # only DDRL has a data term
+  smoke = get_config((arg + '_smoke') if arg else 'smoke')
+  assert not smoke.require_inputs
+  import jax  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()[:smoke.batch_size * smoke.num_rollouts]
+  trainer_lib.Trainer(smoke, str(tmp_path / 'smoke'), devices=devices)   # tiny random models: no stop
+  config.require_inputs = False                                   # random weights on purpose: no stop
+  assert tasks.get_task(config) is not None
+  preflight.check(config, tasks.get_task(config))
+
+
+@pytest.mark.parametrize('spec', ['configs/sd35m.py:flow_grpo', 'configs/wan1_3b.py:dance_grpo'])
+def test_train_cli_one_error_line(spec, tmp_path):
+  run = subprocess.run([sys.executable, '-m', 'ddrl_jax.train', f'--config={spec}',
+                        f'--workdir={tmp_path / "run"}'], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert run.returncode == 2, run.stderr[-2000:]
+  errors = [l for l in run.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and 'needs inputs it was not given' in errors[0] and ':smoke' in errors[0]
+  assert 'Traceback' not in run.stderr and not os.path.exists(tmp_path / 'run')
