@@ -344,5 +344,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  from ddrl_jax import xla_flags  # pylint: disable=g-import-not-at-top
+  xla_flags.apply()       # before any JAX backend starts
   _define_flags()
   cli.run(main, required=('config',))

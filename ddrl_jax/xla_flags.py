@@ -7,10 +7,19 @@
     of a DDRL iteration took 13.6 s against 8.8 s with YNNPACK used for dots alone (benchmarks/RESULTS.md,
     issue 13). A flag of XLA's CPU backend; the GPU and TPU backends do not read it.
 
-The CLIs (`ddrl_jax.train`, `pretrain`, `aot`), the benchmarks and the tests call `apply()`. A library
+JAX_PLATFORMS on a host without a TPU: an installed libtpu (the `aot` extra, for compiling TPU programs
+on a CPU host) probes for TPU metadata when JAX starts and prints five `E0000 ... INVALID_ARGUMENT` lines on
+a host that has none, so a user's first "error" is a false alarm. When JAX_PLATFORMS is not set and the
+host has no TPU device files (/dev/accel*, /dev/vfio/<n>), `apply()` sets it to the platforms the host
+has: 'cuda,cpu' with NVIDIA devices and JAX's CUDA plugin installed, else 'cpu'. (Compile-only TPU
+topologies, `ddrl_jax.aot`, still work: they do not need the TPU platform to be a backend.)
+
+The CLIs (`ddrl_jax.train`, `pretrain`, `aot`, `evaluate`), the benchmarks and the tests call `apply()`. A library
 user who imports the losses into another program keeps their own XLA_FLAGS; they can call `apply()`
 before their first JAX computation for the same effect. A flag the user already set is never changed.
 """
+import glob
+import importlib.util
 import os
 import re
 
@@ -28,6 +37,15 @@ def with_defaults(xla_flags, defaults=None):
   return value
 
 
+def host_platforms(device_glob=glob.glob, find_spec=importlib.util.find_spec):
+  """JAX_PLATFORMS for this host when it has no TPU ('cuda,cpu' or 'cpu'), or None when it has one."""
+  if device_glob('/dev/accel*') or device_glob('/dev/vfio/[0-9]*'):
+    return None
+  cuda = device_glob('/dev/nvidia[0-9]*') and any(
+      find_spec(m) is not None for m in ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_plugins.xla_cuda12'))
+  return 'cuda,cpu' if cuda else 'cpu'
+
+
 def backends_started():
   """Whether a JAX backend has been created in this process (XLA_FLAGS is read only before that)."""
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
@@ -39,6 +57,10 @@ def apply(environ=None):
 
   Raises RuntimeError if a JAX backend already started in this process, since XLA would ignore them."""
   environ = os.environ if environ is None else environ
+  if not environ.get('JAX_PLATFORMS'):
+    platforms = host_platforms()
+    if platforms:
+      environ['JAX_PLATFORMS'] = platforms
   value = with_defaults(environ.get('XLA_FLAGS', ''))
   if value != environ.get('XLA_FLAGS', '') and environ is os.environ and backends_started():
     raise RuntimeError('ddrl_jax.xla_flags.apply() must run before the first JAX computation: a backend '

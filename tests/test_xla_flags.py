@@ -1,4 +1,6 @@
 """ddrl_jax.xla_flags: defaults are added to XLA_FLAGS once, never override the user's, and are live here."""
+import os
+
 import jax
 import pytest
 
@@ -44,3 +46,31 @@ def test_the_suite_runs_with_the_defaults():
   hlo = jax.jit(lambda a: (a @ a).sum(0)).lower(jax.numpy.ones((64, 64))).compile().as_text()
   fusions = [line for line in hlo.splitlines() if '__ynn_fusion' in line]
   assert fusions and all('reduce' not in line for line in fusions)
+
+
+def test_no_tpu_host_gets_its_own_platforms_and_a_tpu_host_is_left_alone():
+  none = lambda pattern: []
+  gpus = lambda pattern: ['/dev/nvidia0'] if pattern.startswith('/dev/nvidia') else []
+  tpu = lambda pattern: ['/dev/vfio/0'] if pattern.startswith('/dev/vfio') else []
+  found = lambda name: object()
+  missing = lambda name: None
+  assert xla_flags.host_platforms(none, found) == 'cpu'
+  assert xla_flags.host_platforms(gpus, found) == 'cuda,cpu'
+  assert xla_flags.host_platforms(gpus, missing) == 'cpu'        # no JAX CUDA plugin: cpu only
+  assert xla_flags.host_platforms(tpu, found) is None
+  env = {'JAX_PLATFORMS': 'tpu'}
+  xla_flags.apply(env)
+  assert env['JAX_PLATFORMS'] == 'tpu'                           # the user's choice is kept
+
+
+def test_a_cpu_run_with_libtpu_installed_prints_no_tpu_errors():
+  """With libtpu installed (the aot extra) and no TPU, a CLI's JAX start prints no E0000 lines."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  if xla_flags.host_platforms() is None:
+    pytest.skip('this host has a TPU')
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
+  code = 'import ddrl_jax, jax; print(jax.devices()[0].platform)'      # importing ddrl_jax is enough
+  run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120, env=env)
+  assert run.returncode == 0 and run.stdout.strip() in ('cpu', 'gpu'), run.stderr[-1000:]
+  assert 'E0000' not in run.stderr and 'INVALID_ARGUMENT' not in run.stderr, run.stderr[-1000:]
