@@ -5,7 +5,8 @@ from ddrl_jax.parallel import rules
 
 
 def base_config():
-  """Every key the trainer reads, with cosmos-rl's DDRL defaults (docs/reference/ddrl_in_cosmos_rl.md)."""
+  """Every key the trainer reads, with cosmos-rl's DDRL defaults (nvidia-cosmos/cosmos-rl, cosmos_rl/policy/config and
+  configs/cosmos-predict2-5/*-ddrl.toml)."""
   c = ml_collections.ConfigDict()
   c.task = ''
   # The network (ddrl_jax/models/family.py FAMILIES); '' = the task's own (toy2d: mlp, ocr: cosmos_t2i,

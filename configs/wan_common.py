@@ -11,8 +11,7 @@ config.wan.vae_checkpoint at the outputs and config.wan.text_encoder at the fold
 and tokenizer/). DDRL's data are the base model's own samples: `python -m ddrl_jax.data.synthesize
 --config=configs/wan1_3b.py:ddrl --out=<records>` first, then --config.data.path=<records>.
 
-Shared by every preset (FlowGRPO's Wan run, yifan123/flow_grpo config/grpo.py `general_ocr_wan2_1`, whose
-values docs/reference/baselines_flowgrpo_dancegrpo_ddpo.md lists): 33 frames at 240 x 416 (latent (9, 30,
+Shared by every preset (FlowGRPO's Wan run, yifan123/flow_grpo config/grpo.py `general_ocr_wan2_1`): 33 frames at 240 x 416 (latent (9, 30,
 52), 3510 DiT tokens), bf16 compute with fp32 master weights, the shifted flow schedule at shift 3, FlowGRPO's
 OCR prompts (its training split is not public: the 1017 test prompts less 128 held out), the reward
 {'ocr': 1} with FlowGRPO's video OCR scoring (every 4th frame, the mean over the frames scoring > 0:

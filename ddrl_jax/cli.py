@@ -224,7 +224,9 @@ def run(main, required=()):
 def _config_fix(e, spec):
   key = getattr(e, 'key', None)
   where = f' or in {spec.partition(":")[0]}' if spec else ''
-  return f'change it with --config.{key}=...{where}' if key else f'change the config{where}'
+  if key:
+    return f'change it with --config.{key}=...{where}'
+  return f'change the keys it names with --config.<key>=...{where}'
 
 
 def parse_flags(argv):

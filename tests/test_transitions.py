@@ -1,7 +1,8 @@
 """Transition kernels against numpy re-implementations of the reference formulas.
 
-References: docs/reference/baselines_flowgrpo_dancegrpo_ddpo.md section 1 (FlowGRPO, DanceGRPO, DDPO) and
-docs/reference/ddrl_in_cosmos_rl.md section 3 (cosmos 2AB).
+References: yifan123/flow_grpo flow_grpo/diffusers_patch/sd3_sde_with_logprob.py (FlowGRPO), XueZeyue/DanceGRPO
+fastvideo/train_grpo_flux.py `flux_step` (DanceGRPO), kvablack/ddpo-pytorch ddim_with_logprob.py (DDPO) and
+nvidia-cosmos/cosmos-rl's WFM sampler (cosmos 2AB, the RES 2AB solver with churn).
 """
 import numpy as np
 import pytest

@@ -1,7 +1,9 @@
 """Command line: PyTorch / diffusers checkpoints -> orbax checkpoints of a model family's params.
 
-  python -m ddrl_jax.models.convert --source=PATH --model=cosmos2b|cosmos14b|cosmos_tiny|wan21_vae|wan_tiny \
-      --out=DIR [--dtype=float32|bfloat16]
+  python -m ddrl_jax.models.convert --source=PATH --model=MODEL --out=DIR [--dtype=float32|bfloat16]
+
+MODEL is one of the families' converters (`--help` lists them all): cosmos2b, cosmos14b, sd35_medium,
+sd35_large, sd35_vae, wan1_3b, wan14b, wan21_vae, and tiny variants for tests.
 
 Sources:
 - a torch `.pt` / `.pth` file, read with `torch.load(..., weights_only=True)` ONLY: a file that holds
@@ -338,12 +340,14 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def main(argv=None):
-  p = _ArgumentParser(prog='python -m ddrl_jax.models.convert', description=__doc__.split('\n')[0],
-                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+  first, rest = __doc__.split('\n', 1)       # the description once, the rest of the docstring after
+  p = _ArgumentParser(prog='python -m ddrl_jax.models.convert', description=first,
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest)
   p.add_argument('--traceback', action='store_true', help='show the full traceback of an error')
   p.add_argument('--source', required=True, help='.pt/.pth, .safetensors or diffusers folder')
   from ddrl_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
-  p.add_argument('--model', required=True, choices=tuple(family_lib.converters()))
+  p.add_argument('--model', required=True, choices=tuple(family_lib.converters()),
+                 help='the model to convert to (every family converter): ' + ', '.join(family_lib.converters()))
   p.add_argument('--out', required=True, help='output folder (orbax params/ + conversion.json)')
   p.add_argument('--dtype', default='float32', choices=DTYPES)
   args = p.parse_args(argv)

@@ -40,7 +40,9 @@ def mesh_shape(mesh_config, num_devices):
     sizes[AXES.index(fill[0])] = num_devices // known
   if math.prod(sizes) != num_devices:
     raise ValueError(f'config.mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, '
-                     f'have {num_devices}')
+                     f'have {num_devices}: set --config.mesh.data, .fsdp, .context and .tensor to sizes whose '
+                     f'product is {num_devices} (-1 fills one of them), run on the hardware the config '
+                     "names, or try its ':smoke' preset")
   return tuple(sizes)
 
 

@@ -2,8 +2,8 @@
 
 Conventions: the denoiser predicts the rectified-flow velocity v = eps - x0 at x_t = (1 - t) x0 + t eps.
 Flow kernels (FlowGRPO, DanceGRPO, DDIM) work on that state directly with sigma = t in [0, 1] and
-dt = sigma_next - sigma < 0. The cosmos kernel works on VE states x_sigma = x0 + sigma eps
-(docs/reference/ddrl_in_cosmos_rl.md section 3). Every function is elementwise in x and broadcasts
+dt = sigma_next - sigma < 0. The cosmos kernel works on VE states x_sigma = x0 + sigma eps (nvidia-cosmos/
+cosmos-rl's WFM sampler, the RES 2AB solver with churn). Every function is elementwise in x and broadcasts
 scalar sigmas, so it runs unchanged per sample under vmap or on a whole batch.
 """
 import jax.numpy as jnp
