@@ -32,8 +32,16 @@ def export(config, workdir, out, *, ema=False, merged=False, devices=None):
   devices: those the checkpoint is restored onto (default: all; the run's batch must divide over them)."""
   spec = lora_lib.from_config(config)
   if not spec.enabled:
-    raise cli.UsageError('config.lora.rank is 0: this run trained every parameter, there are no '
-                         'adapters to export', 'pass the config and --config.lora.* flags the run used')
+    saved = _saved_lora(workdir)
+    if saved and saved.get('rank'):
+      targets = ','.join(saved.get('targets') or ())
+      raise cli.UsageError(
+          f'{workdir} trained LoRA adapters (rank {saved["rank"]}, alpha {saved.get("alpha")}), but the '
+          'config given has config.lora.rank=0',
+          f'pass the flags the run used: --config.lora.rank={saved["rank"]} '
+          f'--config.lora.alpha={saved.get("alpha")}' + (f" --config.lora.targets='{targets}'" if targets else ''))
+    raise cli.UsageError('config.lora.rank is 0 and so was the run\'s: it trained every parameter, there are '
+                         'no adapters to export', 'give the workdir of a LoRA run (config.lora.rank > 0)')
   trainer = trainer_lib.Trainer(config, workdir, devices=devices)
   step = trainer.restore_or_init(read_only=True)
   if step == 0:
@@ -58,6 +66,18 @@ def export(config, workdir, out, *, ema=False, merged=False, devices=None):
   with open(os.path.join(out, 'export.json'), 'w') as f:
     json.dump(info, f, indent=1)
   return info
+
+
+def _saved_lora(workdir):
+  """The lora section of the config saved with the run's newest checkpoint, or None (nothing is created)."""
+  from ddrl_jax import resume  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import storage  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  if not storage.exists(os.path.join(str(workdir), 'checkpoints')):
+    return None
+  stub = ml_collections.ConfigDict(dict(max_checkpoints=1))
+  saved = resume.RunCheckpoints(workdir, stub).saved_config()
+  return (saved or {}).get('lora')
 
 
 def _define_flags():

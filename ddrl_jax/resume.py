@@ -55,6 +55,14 @@ class RunCheckpoints:
         self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=self.config.max_checkpoints,
                                                        create=True))
 
+  def saved_config(self, step=None):
+    """The config dict saved with checkpoint `step` (default: the newest), or None without checkpoints."""
+    steps = self.steps()
+    if not steps:
+      return None
+    step = steps[0] if step is None else step
+    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+
   def step_dir(self, step):
     return os.path.join(self.dir, str(step))
 

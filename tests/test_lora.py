@@ -330,9 +330,14 @@ def test_export_cli_writes_adapters_and_merged_weights(lora_runs, tmp_path):
   assert 'transformer_blocks.0.attn1.to_q.weight' in merged and not any('lora' in k for k in merged)
   assert json.load(open(tmp_path / 'out' / 'export.json'))['step'] == 3
   full = lora_config(3)
-  full.lora.rank = 0
-  with pytest.raises(cli.UsageError, match='no adapters'):
+  full.lora.rank = 0                  # the LoRA run's workdir with a config lacking its --config.lora.* flags
+  with pytest.raises(cli.UsageError) as e:
     export_lora.export(full, root / 'straight', str(tmp_path / 'x'))
+  assert 'trained LoRA adapters (rank 4, alpha 8' in e.value.what and '--config.lora.rank=4' in e.value.fix
+  assert not os.path.exists(tmp_path / 'x')
+  os.makedirs(tmp_path / 'empty')     # no checkpoints at all: the full-fine-tuning answer
+  with pytest.raises(cli.UsageError, match='no adapters'):
+    export_lora.export(full, tmp_path / 'empty', str(tmp_path / 'x'))
 
 
 def test_frozen_base_is_kept_in_the_compute_dtype(tmp_path):
