@@ -71,7 +71,6 @@ def test_merged_weights_load_into_diffusers(adapted, torch_model, tmp_path):
   lora_export.save_merged(str(path), nnx.state(model, nnx.Param), SPEC, sd3_family.dit_exporter(_config()))
   from safetensors.torch import load_file  # pylint: disable=g-import-not-at-top
   merged = copy.deepcopy(torch_model)
-  missing, unexpected = merged.load_state_dict(load_file(str(path)), strict=False)
-  assert not unexpected and set(missing) <= {'pos_embed.pos_embed'}    # a buffer, rebuilt by diffusers
+  merged.load_state_dict(load_file(str(path)), strict=True)      # every key, the pos_embed buffer too
   np.testing.assert_allclose(_theirs(merged, *args), ours, atol=1e-5 * max(1.0, float(np.abs(ours).max())),
                              rtol=0)

@@ -59,8 +59,9 @@ def dit_exporter(dit):
   return family_lib.Exporter(
       subtree='',
       diffusers_names=lambda path: sd3_convert.diffusers_names(path, dit)[0],
+      # With diffusers' persistent pos_embed buffer, so the merged file loads with strict load_state_dict.
       to_diffusers=lambda flat: sd3_convert.to_diffusers_state_dict(family_lib.nest_paths(flat), dit,
-                                                                    with_pos_embed=False))
+                                                                    with_pos_embed=True))
 
 
 class SD3Family(family_lib.SectionFamily):
