@@ -42,6 +42,7 @@ def export(config, workdir, out, *, ema=False, merged=False, devices=None):
           f'--config.lora.alpha={saved.get("alpha")}' + (f" --config.lora.targets='{targets}'" if targets else ''))
     raise cli.UsageError('config.lora.rank is 0 and so was the run\'s: it trained every parameter, there are '
                          'no adapters to export', 'give the workdir of a LoRA run (config.lora.rank > 0)')
+  config.require_inputs = False      # everything exported comes from the workdir's checkpoint
   trainer = trainer_lib.Trainer(config, workdir, devices=devices)
   step = trainer.restore_or_init(read_only=True)
   if step == 0:
