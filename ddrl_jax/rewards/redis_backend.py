@@ -127,22 +127,24 @@ redis.call('LPUSH', KEYS[3], ARGV[1])
 return 'requeued'
 """
 
-REDIS_DOWN_LOG_S = 60.0      # while Redis or every server is gone, say so again this often
-WAIT_LOG_S = 60.0            # a long wait with live servers is reported this often
+# The trainer blocks in a pending batch's result() only after its own work (the data gradient) is done, so
+# every second there is idle time: no stretch of it goes unexplained for longer than these.
+REDIS_DOWN_LOG_S = 10.0      # while Redis or every server is gone, say so again this often
+WAIT_LOG_S = 10.0            # a wait with live servers is reported this often (where the task is)
 
 
 class RedisRewardClient:
   """Submits reward tasks to Redis and collects the replies (same interface as LocalRewardService).
 
   While a batch is pending the client watches it (every poll, <= 5 s):
-    * Redis unreachable: one line when it starts, one every minute, one when it is back; the wait goes on
+    * Redis unreachable: one line when it starts, one every 10 s, one when it is back; the wait goes on
       (bounded by `timeout_s`), and a batch Redis could not take at submission is pushed once it can;
-    * no live reward server (no heartbeat for 10 s): one line within a poll, then every minute; after
+    * no live reward server (no heartbeat for 10 s): one line within a poll, then every 10 s; after
       `no_server_grace_s` the batch fails as counted 'no_server' failures (NaN) and is cancelled,
       instead of waiting out `timeout_s`;
     * the task lost by a Redis restart (its payload gone, no answer): resubmitted under the same id, so
       a server that was scoring it and answers later completes it, and servers score an id once;
-    * a long wait with live servers: one line a minute saying where the task is.
+    * a wait with live servers: one line every 10 s saying where the task is (queued, processing, attempt).
   A reply that does not come within `timeout_s` of the submission yields NaN scores (counted as
   timeouts) and cancels the task. Short connection errors are retried `retries` times with backoff.
   """
@@ -316,8 +318,8 @@ class _RedisPending:
         if live:
           no_server_since = None
           if now - last_wait_log >= WAIT_LOG_S:
-            logger.warning('waiting %.0f s for the rewards of task %s (%s; %d live server(s))',
-                           now - start, self.id, state, len(live))
+            logger.warning('waiting %.0f s for the rewards of task %s (%s, attempt %d; %d live server(s))',
+                           now - start, self.id, state, max(1, last_attempts), len(live))
             last_wait_log = now
         else:
           if no_server_since is None:
