@@ -62,3 +62,13 @@ def test_train_cli_one_error_line(spec, tmp_path):
   errors = [l for l in run.stderr.splitlines() if l.startswith('error:')]
   assert len(errors) == 1 and 'needs inputs it was not given' in errors[0] and ':smoke' in errors[0]
   assert 'Traceback' not in run.stderr and not os.path.exists(tmp_path / 'run')
+
+
+def test_a_family_without_its_config_section_is_one_line(tmp_path):
+  run = subprocess.run([sys.executable, '-m', 'ddrl_jax.train', '--config=configs/sd35m.py:flow_grpo_smoke',
+                        '--config.model_family=wan', f'--workdir={tmp_path / "run"}'], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert run.returncode == 2, run.stderr[-2000:]
+  errors = [l for l in run.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and "config.model_family='wan': this config has no config.wan section" in errors[0]
+  assert 'Traceback' not in run.stderr and not os.path.exists(tmp_path / 'run')

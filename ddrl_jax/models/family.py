@@ -141,8 +141,14 @@ def _module(name, what='config.model_family'):
 def from_config(config, default=''):
   """The family of `config.model_family` ('' = `default`, the task's), bound to the config."""
   name = config.get('model_family', '') or default
-  family = _module(name).FAMILIES[name](config)
-  return family
+  cls = _module(name).FAMILIES[name]
+  section = getattr(cls, 'section', '')
+  if section and section not in config:
+    from ddrl_jax import cli  # pylint: disable=g-import-not-at-top
+    raise cli.UsageError(f'config.model_family={name!r}: this config has no config.{section} section '
+                         f'(its task {config.get("task")!r} runs the {default!r} family)',
+                         f"drop --config.model_family, or use a config written for {name!r}")
+  return cls(config)
 
 
 def logical_rules(name):
