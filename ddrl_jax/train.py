@@ -13,6 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from ddrl_jax import cli
+from ddrl_jax import config as config_lib
 from ddrl_jax import console
 from ddrl_jax import distributed
 from ddrl_jax import trainer as trainer_lib
@@ -35,7 +36,11 @@ def main(argv):
   distributed.initialize(distributed.options_from_flags())      # before anything asks for devices
   with distributed.fail_fast():     # a failing host ends the job instead of leaving the others waiting
     trainer = trainer_lib.Trainer(_CONFIG.value, _WORKDIR.value)
-    metrics = trainer.train()
+    try:
+      metrics = trainer.train()
+    except (cli.UsageError, app.UsageError, config_lib.ConfigError):
+      trainer.remove_new_workdir()   # a mistake found while building: no empty checkpoints/ left behind
+      raise
   if trainer.stopped_by is None and metrics:
     print(console.summary_table(metrics, trainer.workdir, **trainer.run_summary()))
 

@@ -136,6 +136,7 @@ class Trainer:
     self.optimizer = optim.make_optimizer(config.optim)
     self.rng = jax.random.key(config.seed)
     self.loader = self.make_loader()
+    self._new_workdir = not storage.exists(self.workdir)   # remove_new_workdir() may undo it
     self.checkpoints = resume.RunCheckpoints(self.workdir, config, self.loader,
                                              safe_keys=self.task.family.resume_safe_keys)
     self.ckpt_dir = self.checkpoints.dir
@@ -159,6 +160,17 @@ class Trainer:
 
   def _data_sharding(self, batch):
     return self.plan.sharding(('act_batch',), (batch,), 'data')
+
+  def remove_new_workdir(self):
+    """Removes the workdir this Trainer created if nothing was written into it but empty folders (a run
+    stopped by a user's mistake leaves no files behind). Local workdirs only."""
+    if not self._new_workdir or storage.is_remote(self.workdir) or not os.path.isdir(self.workdir):
+      return
+    for _, _, files in os.walk(self.workdir):
+      if files:
+        return
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(self.workdir, ignore_errors=True)
 
   @property
   def ckpt(self):

@@ -72,3 +72,15 @@ def test_a_family_without_its_config_section_is_one_line(tmp_path):
   errors = [l for l in run.stderr.splitlines() if l.startswith('error:')]
   assert len(errors) == 1 and "config.model_family='wan': this config has no config.wan section" in errors[0]
   assert 'Traceback' not in run.stderr and not os.path.exists(tmp_path / 'run')
+
+
+def test_lora_targets_that_match_nothing_are_one_line_and_leave_no_workdir(tmp_path):
+  run = subprocess.run([sys.executable, '-m', 'ddrl_jax.train', '--config=configs/ocr_tiny.py',
+                        '--config.lora.rank=4', "--config.lora.targets=('nomatch',)",
+                        f'--workdir={tmp_path / "run"}'], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert run.returncode == 2, run.stderr[-2000:]
+  errors = [l for l in run.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and "config.lora.targets ['nomatch'] match no dense layer" in errors[0]
+  assert 'dit.blocks.self_attn.q_proj' in errors[0]           # the layers it could have named
+  assert 'Traceback' not in run.stderr and not os.path.exists(tmp_path / 'run')

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ddrl_jax import cli
 from ddrl_jax.models import layers
 
 INITS = ('kaiming', 'gaussian')
@@ -56,6 +57,11 @@ class Adapted(NamedTuple):
   """Model parameters under LoRA as the step functions take them: the trained adapters and the base."""
   trainable: Any
   frozen: Any
+
+
+
+class TargetsError(cli.UsageError, ValueError):
+  """config.lora.targets that match no layer (a user's mistake: the CLIs print it in one line)."""
 
 
 def from_config(config):
@@ -109,7 +115,8 @@ def attach(model, spec, key):
   unused = [t for t in spec.targets if not any(re.fullmatch(t, p) for p, _ in found)]
   if unused:
     known = sorted({re.sub(r'\.\d+', '', p) for p, _ in dense_layers(model)})
-    raise ValueError(f'config.lora.targets {unused} match no dense layer; the layers are: {known}')
+    raise TargetsError(f'config.lora.targets {unused} match no dense layer; the layers are: {known}',
+                       'targets are regexes matched in full against those paths')
   for i, (_, dense) in enumerate(found):
     kernel = dense.kernel
     *lead, din, dout = kernel.shape
