@@ -29,6 +29,7 @@ def base_config():
   # True (full-size presets): refuse to start, in one line, while the weights, data or reward models the
   # task lists are missing (ddrl_jax/preflight.py); False runs with random weights.
   c.require_inputs = False
+  c.skip_memory_check = False   # True: build even when the train state alone exceeds the devices' memory
 
   c.sampler = ml_collections.ConfigDict(dict(
       kind='',                  # '' = the algorithm's default (ddrl: cosmos_2ab, flow_grpo: flow_sde, ...)

@@ -26,7 +26,7 @@ SAFE_TO_CHANGE = (
     'reward.workers', 'reward.chunk_size', 'reward.chunk_timeout_s', 'reward.timeout_s',
     'reward.max_failed_batches', 'reward.backend', 'reward.redis_url', 'reward.token_env',
     'reward.retries', 'reward.task_ttl_s', 'data.worker_count', 'data.skip_bad', 'mesh.', 'sharding.',
-    'require_inputs', 'reward.no_server_grace_s')
+    'require_inputs', 'reward.no_server_grace_s', 'skip_memory_check')
 
 
 # Keys added after checkpoints were first written, with the value that reproduces how those runs
@@ -36,7 +36,7 @@ ADDED_KEY_DEFAULTS = {
     'rl.drop_zero_advantages': False, 'rl.kl_form': 'exact', 'rl.nft_beta': 1.0, 'rl.nft_old_decay': 1,
     'lora.rank': 0, 'model_family': '', 'sampler.eval_num_steps': 0, 'sampler.eval_deterministic': False,
     'eval_videos': 4, 'eval_video_fps': 8,   # logging only (SAFE_TO_CHANGE): today's defaults
-    'require_inputs': False,
+    'require_inputs': False, 'skip_memory_check': False,
 }
 
 

@@ -61,6 +61,39 @@ logger = logging.getLogger(__name__)
 BAR_FORMAT = '{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]'
 
 
+class MemoryCheckError(cli.UsageError):
+  """The train state does not fit the devices (a user's mistake about the hardware: one line)."""
+
+
+def state_bytes_per_device(abstract, shardings):
+  """Bytes one device holds of an abstract tree under `shardings` (its largest shard of each leaf)."""
+  def nbytes(leaf, sh):
+    shape = sh.shard_shape(leaf.shape) if hasattr(sh, 'shard_shape') else leaf.shape
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+  return sum(jax.tree.leaves(jax.tree.map(nbytes, abstract, shardings)))
+
+
+def host_available_bytes():
+  """The host's available memory (MemAvailable), or None where it cannot be read."""
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def device_memory_bytes(device):
+  """An accelerator's memory limit (memory_stats' bytes_limit), or None where the runtime does not say."""
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return stats.get('bytes_limit')
+
+
 def _event_logger(path):
   """A hook appending '{"event": name, "time": t, **info}' lines to `path`, flushed at once."""
   f = open(path, 'a', buffering=1)
@@ -283,7 +316,30 @@ class Trainer:
                 100 * report['replicated_fraction'], trained, opt['per_device_bytes'] / 2**30)
     self.sharding_report = dict(params=report, opt_state=opt)
     self.cast_params = self.task.cast_params
+    self._check_memory(abstract_state, sh)
     return abstract_state
+
+  def _check_memory(self, abstract_state, shardings):
+    """Refuses, in one line and before anything is allocated, a train state (parameters, optimizer
+    moments, EMA, reference, frozen base) that does not fit its devices: per device against the device's
+    memory limit; on CPU, every local device's share against the host's available memory. A lower bound:
+    activations and the step's temporaries come on top (`python -m ddrl_jax.aot` measures those).
+    config.skip_memory_check turns it off."""
+    if self.config.get('skip_memory_check', False):
+      return
+    per_device = state_bytes_per_device(abstract_state, shardings)
+    local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+    if local[0].platform == 'cpu':
+      need, have, where = per_device * len(local), host_available_bytes(), 'host memory available'
+    else:
+      need, have, where = per_device, device_memory_bytes(local[0]), f'{local[0].device_kind} memory'
+    if have and need > have:
+      raise MemoryCheckError(
+          f'the train state alone needs {need / 2**30:.1f} GiB ({per_device / 2**30:.2f} GiB per device x '
+          f'{len(local) if local[0].platform == "cpu" else 1}) but this host has {have / 2**30:.1f} GiB of '
+          f'{where} (mesh {dict(self.mesh.shape)})',
+          'use more devices (a larger mesh.fsdp), LoRA (--config.lora.rank=...), a :smoke preset, or '
+          '--config.skip_memory_check=True')
 
   def _initial_params(self, key):
     """Initial parameters placed shard by shard (`Task.init_params_sharded`: random weights drawn under

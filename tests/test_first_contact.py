@@ -84,3 +84,29 @@ def test_lora_targets_that_match_nothing_are_one_line_and_leave_no_workdir(tmp_p
   assert len(errors) == 1 and "config.lora.targets ['nomatch'] match no dense layer" in errors[0]
   assert 'dit.blocks.self_attn.q_proj' in errors[0]           # the layers it could have named
   assert 'Traceback' not in run.stderr and not os.path.exists(tmp_path / 'run')
+
+
+def test_a_train_state_larger_than_the_host_is_refused_before_building(tmp_path, monkeypatch):
+  """The state's bytes per device, from shapes and shardings only: refused in one line naming the numbers
+  and the options when the devices' share exceeds the memory; skip_memory_check builds anyway."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  config = cosmos2b.get_config('smoke')
+  devices = jax.devices()[:1]
+  config.mesh.data = 1
+  trainer = trainer_lib.Trainer(config, str(tmp_path / 'run'), devices=devices)
+  monkeypatch.setattr(trainer_lib, 'host_available_bytes', lambda: 1000)
+  with pytest.raises(trainer_lib.MemoryCheckError) as e:
+    trainer.restore_or_init()
+  assert 'the train state alone needs' in e.value.what and 'GiB of host memory available' in e.value.what
+  assert 'skip_memory_check' in e.value.fix and trainer.state is None
+  # The per-device count: parameters (fp32), two Adam moments and the EMA, exactly 4 x the parameters
+  # plus the optimizer's counters, computed independently from the parameter shapes.
+  abstract = jax.eval_shape(lambda: trainer.task.init_model(jax.random.key(0))[1])
+  params = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+  config.skip_memory_check = True
+  trainer2 = trainer_lib.Trainer(config, str(tmp_path / 'run2'), devices=devices)
+  assert trainer2.restore_or_init() == 0
+  measured = trainer_lib.state_bytes_per_device(
+      jax.eval_shape(lambda s: s, trainer2.state), trainer2.state_shardings)
+  assert 4 * params <= measured <= 4 * params + 4096, (measured, params)
