@@ -17,6 +17,7 @@
      category x column table.
 """
 import collections
+import logging
 import os
 
 import jax
@@ -138,32 +139,33 @@ def video_name(entries, row):
   return f'{row:04d}_{safe}_{e.mode}'
 
 
+def _write_mp4(path, video, fps, paths):
+  """Writes one MP4 and records its path; without imageio-ffmpeg logs why (once per call site's loop)."""
+  from ddrl_jax import video_io  # pylint: disable=g-import-not-at-top
+  try:
+    video_io.write_mp4(path, video, fps)
+    paths.append(path)
+    return True
+  except ImportError as e:
+    logging.warning('no MP4s of the evaluation (pip install -e .[video]): %s', e)
+    return False
+
+
 def write_examples(out_dir, entries, rows, videos, fps, baseline=None):
   """MP4s of the example rows under out_dir/videos/ (the trained model's; with `baseline` videos also
   a side-by-side MP4, baseline left, under out_dir/side_by_side/) and a PNG grid: one row per example,
   the first, middle and last frames (baseline's first, when given). Returns the written paths."""
   from ddrl_jax import image_grid  # pylint: disable=g-import-not-at-top
-  from ddrl_jax import video_io  # pylint: disable=g-import-not-at-top
-  paths = []
-  frames = []
+  paths, frames = [], []
+  mp4 = True
   for row in rows:
     name = video_name(entries, row)
     clip = videos[row]
-    path = os.path.join(out_dir, 'videos', name + '.mp4')
-    try:
-      video_io.write_mp4(path, clip, fps)
-      paths.append(path)
-    except ImportError:
-      pass
+    mp4 = mp4 and _write_mp4(os.path.join(out_dir, 'videos', name + '.mp4'), clip, fps, paths)
     picks = [0, clip.shape[0] // 2, clip.shape[0] - 1]
     if baseline is not None:
       both = np.concatenate([baseline[row], clip], axis=2)     # (F, H, 2W, 3)
-      side = os.path.join(out_dir, 'side_by_side', name + '.mp4')
-      try:
-        video_io.write_mp4(side, both, fps)
-        paths.append(side)
-      except ImportError:
-        pass
+      mp4 = mp4 and _write_mp4(os.path.join(out_dir, 'side_by_side', name + '.mp4'), both, fps, paths)
       frames += [baseline[row][p] for p in picks]
     frames += [clip[p] for p in picks]
   if frames:
