@@ -146,10 +146,17 @@ class Trainer:
   """Owns the mesh, task, jitted functions, checkpoints and metrics of one workdir."""
 
   def __init__(self, config, workdir, devices=None):
-    task = tasks.get_task(config)
-    # Missing weights, data or reward models stop here, in one line, before devices are touched.
-    preflight.check(config, task, cli.config_spec(sys.argv) or 'the config')
     devices = jax.devices() if devices is None else list(devices)
+    # Missing weights, data or reward models stop here, in one line, before anything is built. A config
+    # the task cannot even be built from is reported by `validate` (a ConfigError naming the key) first.
+    try:
+      task = tasks.get_task(config)
+      preflight.check(config, task, cli.config_spec(sys.argv) or 'the config')
+    except preflight.MissingInputs:
+      raise
+    except Exception:  # pylint: disable=broad-except
+      config_lib.validate(config, len(devices))
+      raise
     config_lib.validate(config, len(devices))
     self.config = config
     self.workdir = storage.absolute(workdir)   # a local path or a bucket URL (gs://...)

@@ -110,3 +110,13 @@ def test_a_train_state_larger_than_the_host_is_refused_before_building(tmp_path,
   measured = trainer_lib.state_bytes_per_device(
       jax.eval_shape(lambda s: s, trainer2.state), trainer2.state_shardings)
   assert 4 * params <= measured <= 4 * params + 4096, (measured, params)
+
+
+def test_a_config_the_task_cannot_be_built_from_is_validated_first(tmp_path):
+  """A full preset with an unknown algorithm: validate's one line naming the key, not a traceback from
+  the input check that would need the algorithm."""
+  config = sd35m.get_config('flow_grpo')
+  config.algorithm = 'nope'
+  from ddrl_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  with pytest.raises(config_lib.ConfigError, match="config.algorithm='nope': unknown algorithm"):
+    trainer_lib.Trainer(config, str(tmp_path / 'run'))
