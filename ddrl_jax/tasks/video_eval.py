@@ -26,6 +26,7 @@ import numpy as np
 from ddrl_jax import parallel
 from ddrl_jax import update as update_lib
 from ddrl_jax.rewards import registry
+from ddrl_jax.tasks import video
 
 ALL = 'all'
 
@@ -48,11 +49,6 @@ def score_columns(judges, videos, prompts):
   return out
 
 
-def _mean(values):
-  ok = np.isfinite(values)
-  return (float(values[ok].mean()) if ok.any() else float('nan')), int(ok.sum())
-
-
 def groups_of(entries):
   """{group name: row indices}: 'all', each mode ('t2v', 'i2v'), each category and each 'category/mode'
   that has rows."""
@@ -71,7 +67,7 @@ def summarize(columns, entries):
     suffix = '' if group == ALL else f'@{group}'
     out[f'n{suffix or "@" + ALL}'] = len(rows)
     for column, values in columns.items():
-      out[f'{column}{suffix}'], _ = _mean(np.asarray(values)[rows])
+      out[f'{column}{suffix}'] = video._finite_mean(np.asarray(values)[rows])  # pylint: disable=protected-access
   return out
 
 
