@@ -87,7 +87,12 @@ def base_config():
       path='',                  # shard files, a directory or a glob
       shuffle=True,
       skip_bad=False,           # True: skip (count, log) corrupt or mis-shaped records
-      worker_count=0))          # grain decode processes (0: in the trainer process)
+      worker_count=0,           # grain decode processes (0: in the trainer process)
+      # DDRL without data.path: > 0 samples this many records of the base model (the evaluation sampler,
+      # over the task's training prompts in turn) into the workdir before the first update, resumably
+      # (the paper's SD3.5 setting: the data term on the base's own samples). 0 = the task's own data.
+      base_samples=0,
+      base_samples_dir=''))     # '' = <workdir>/base_samples; set it for a bucket (gs://) workdir
 
   # Rewards on decoded samples (ddrl_jax.rewards): name -> weight, factory kwargs, combination, and the
   # asynchronous service that scores them while the trainer computes the data term.
@@ -150,6 +155,8 @@ def shrink_for_smoke(config, preset):
   config.reward.chunk_size = 4
   config.lora.rank = 4
   config.lora.alpha = 8
+  if config.data.base_samples:
+    config.data.base_samples = config.num_iterations * config.batch_size
 
 
 # Each baseline preset follows one public recipe; the comment block above its branch names the

@@ -8,8 +8,9 @@
 Weights: convert a diffusers SD3.5-Medium folder once (`python -m ddrl_jax.models.convert
 --source=<folder> --model=sd35_medium --out=...` and `--model=sd35_vae`) and point config.sd3.checkpoint,
 config.sd3.vae_checkpoint at the outputs and config.sd3.text_encoders at the folder (its text encoders and
-tokenizers). DDRL's data are the base model's own samples: `python -m ddrl_jax.data.synthesize
---config=configs/sd35m.py:ddrl --out=<records>` before training, then --config.data.path=<records>.
+tokenizers). DDRL's data are the base model's own samples: on its first run the trainer samples
+config.data.base_samples of them (7,200: one per group of the 300 iterations) with the evaluation sampler
+into <workdir>/base_samples, resumably, before the first update (or give records: --config.data.path).
 
 Presets, each following one public recipe (the rest of the keys are shared below):
   ddrl:          the paper (arXiv 2512.04332) section 4.2 / Table 4: SD3.5-M at 512, LoRA alpha 64 rank 32,
@@ -88,6 +89,9 @@ def get_config(arg='ddrl'):
     rl.adv_normalization = 'flow_grpo'
     rl.clip_range = 1e-4
     rl.train_steps = tuple(range(0, 9, 2))    # every other step of 10 (the paper's |T| = T / 2)
+    # The base's own samples, made by the trainer on the first run: one record per group of every
+    # iteration, so no record repeats (the paper gives no number).
+    c.data.base_samples = c.num_iterations * c.batch_size
 
   o = c.optim
   o.learning_rate = 3e-4            # flow_grpo config/base.py (LoRA)

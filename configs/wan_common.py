@@ -2,14 +2,15 @@
 and configs/wan14b.py.
 
     python -m ddrl_jax.train --config=configs/wan1_3b.py:flow_grpo --workdir=...
-    python -m ddrl_jax.train --config=configs/wan1_3b.py:ddrl --workdir=...  (after data.synthesize, below)
+    python -m ddrl_jax.train --config=configs/wan1_3b.py:ddrl --workdir=...  (samples its data first, below)
     python -m ddrl_jax.train --config=configs/wan14b.py:dance_grpo --workdir=...
 
 Weights: convert a diffusers Wan2.1-T2V folder once (`python -m ddrl_jax.models.convert --source=<folder>
 --model=wan1_3b --out=...`, or wan14b, and `--model=wan21_vae`), point config.wan.checkpoint and
 config.wan.vae_checkpoint at the outputs and config.wan.text_encoder at the folder (its UMT5 text_encoder/
-and tokenizer/). DDRL's data are the base model's own samples: `python -m ddrl_jax.data.synthesize
---config=configs/wan1_3b.py:ddrl --out=<records>` first, then --config.data.path=<records>.
+and tokenizer/). DDRL's data are the base model's own samples: on its first run the trainer samples
+config.data.base_samples of them (2,400: one per group of the 300 iterations) into <workdir>/base_samples,
+resumably, before the first update (or give records: --config.data.path).
 
 Shared by every preset (FlowGRPO's Wan run, yifan123/flow_grpo config/grpo.py `general_ocr_wan2_1`): 33 frames at 240 x 416 (latent (9, 30,
 52), 3510 DiT tokens), bf16 compute with fp32 master weights, the shifted flow schedule at shift 3, FlowGRPO's
@@ -23,7 +24,7 @@ an optional reward (`--config.reward.fns="{'ocr': 1.0, 'temporal_smoothness': 0.
 
 Presets:
   ddrl:       the paper's (arXiv 2512.04332) recipe adapted as configs/sd35m.py adapts it: the base model's
-              own samples as data (data.synthesize), no classifier-free guidance anywhere (guidance 1;
+              own samples as data (data.base_samples), no classifier-free guidance anywhere (guidance 1;
               the data term drops the condition 20% of the time), cosmos-rl's DDRL keys (data_beta 0.01,
               every other of the 20 steps trained, loss scale 10), aligned with FlowGRPO's Wan run: its
               flow SDE (noise 0.7), group 4, lr 1e-4, clip 1e-3, per-group advantage std.
@@ -115,6 +116,9 @@ def get_config(model, arg='flow_grpo'):
     rl.data_noise = 'fresh'         # synthetic data: no rollout noise belongs to them
     rl.cond_dropout = 0.2
     rl.train_steps = tuple(range(0, 19, 2))   # every other step of 20 (the paper's |T| = T / 2)
+    # The base's own samples, made by the trainer on the first run: one record per group of every
+    # iteration, so no record repeats (the paper gives no number).
+    c.data.base_samples = c.num_iterations * c.batch_size
 
   o = c.optim
   o.learning_rate = 1e-5 if preset == 'dance_grpo' else 1e-4

@@ -37,6 +37,7 @@ ADDED_KEY_DEFAULTS = {
     'lora.rank': 0, 'model_family': '', 'sampler.eval_num_steps': 0, 'sampler.eval_deterministic': False,
     'eval_videos': 4, 'eval_video_fps': 8,   # logging only (SAFE_TO_CHANGE): today's defaults
     'require_inputs': False, 'skip_memory_check': False,
+    'data.base_samples': 0, 'data.base_samples_dir': '',
 }
 
 

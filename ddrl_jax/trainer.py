@@ -46,13 +46,14 @@ from ddrl_jax import tasks
 from ddrl_jax import video_io
 from ddrl_jax.data import pipeline as data_pipeline
 from ddrl_jax.data import records as data_records
+from ddrl_jax.data import synthesis
 from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.parallel import hosts
 from ddrl_jax.parallel import rules as rules_lib
 # The pure update lives in ddrl_jax/update.py; its names stay importable from here.
 from ddrl_jax.update import (  # pylint: disable=unused-import
     TrainState, RolloutBatch, flat_rollout_batch, group_rollout_batch, DataBatch,
-    compute_advantages, make_sampler, init_train_state, make_update_fns, combine_metrics,
+    compute_advantages, make_sampler, make_eval_sampler, init_train_state, make_update_fns, combine_metrics,
     make_train_step, jit_train_step, make_sample_fn, StepFns, uses_data_grads, build_step_fns, place_data,
     rollout_params, model_params)
 
@@ -175,6 +176,7 @@ class Trainer:
     self.sampler = make_sampler(config)
     self.optimizer = optim.make_optimizer(config.optim)
     self.rng = jax.random.key(config.seed)
+    self.base_samples_dir = self._base_samples_dir()
     self.loader = self.make_loader()
     self._new_workdir = not storage.exists(self.workdir)   # remove_new_workdir() may undo it
     self.checkpoints = resume.RunCheckpoints(self.workdir, config, self.loader,
@@ -217,22 +219,76 @@ class Trainer:
     """The orbax CheckpointManager of the workdir (resume.RunCheckpoints.manager)."""
     return self.checkpoints.manager
 
-  def make_loader(self):
-    """The record loader of config.data.path, or None: per iteration one record per group this
-    process holds (all B with one process), from the shard of its row set (`hosts.BatchLayout`)."""
-    d = self.config.data
-    if not d.path:
+  def _base_samples_dir(self):
+    """Where this run keeps the base model's own samples (config.data.base_samples > 0, no data.path,
+    an algorithm with a data term), or None."""
+    d, c = self.config.data, self.config
+    if d.path or d.get('base_samples', 0) <= 0 or not uses_data_grads(c):
       return None
-    manifest = os.path.join(d.path, 'manifest.json') if os.path.isdir(d.path) else None
-    expected = data_records.expected_from_manifest(d.path) if manifest and os.path.exists(
+    path = d.get('base_samples_dir', '') or os.path.join(self.workdir, 'base_samples')
+    if storage.is_remote(path):
+      raise config_lib.ConfigError(
+          f'config.data.base_samples_dir: the base samples are written as ArrayRecord files, which need a '
+          f'local or mounted filesystem, not {path}; set data.base_samples_dir to one (shared by the hosts)',
+          'data.base_samples_dir')
+    return path
+
+  def _data_path(self):
+    """The records this run trains its data term on: config.data.path, else the finished base samples."""
+    if self.config.data.path:
+      return self.config.data.path
+    if self.base_samples_dir and synthesis.is_complete(self.base_samples_dir):
+      return self.base_samples_dir
+    return None
+
+  def make_loader(self):
+    """The record loader of config.data.path (or of the base samples), or None: per iteration one record
+    per group this process holds (all B with one process), from the shard of its row set
+    (`hosts.BatchLayout`)."""
+    d = self.config.data
+    path = self._data_path()
+    if not path:
+      return None
+    manifest = os.path.join(path, 'manifest.json') if os.path.isdir(path) else None
+    expected = data_records.expected_from_manifest(path) if manifest and os.path.exists(
         manifest) else None
     # One record per group this process holds; processes holding the same groups (context/tensor
     # replicas on other hosts) share a shard and read identical records.
     lay = self.layout
-    return data_pipeline.RecordLoader(d.path, len(lay.groups), seed=self.config.seed,
+    return data_pipeline.RecordLoader(path, len(lay.groups), seed=self.config.seed,
                                       shuffle=d.shuffle, expected=expected, skip_bad=d.skip_bad,
                                       worker_count=d.worker_count, shard_index=lay.shard_index,
                                       shard_count=lay.shard_count)
+
+  def synthesize_base_samples(self, start, progress=True):
+    """Samples config.data.base_samples records of the initial (base) model over the task's training
+    prompts into `base_samples_dir` with the evaluation sampler (resuming a killed run's shards), then
+    opens the loader on them. Only before the first update: the model must still be the base."""
+    c = self.config
+    out = self.base_samples_dir
+    if start > 0:
+      raise ValueError(f'{out}: the base samples this run trains on are incomplete or gone (no '
+                       f'manifest.json), and the model at step {start} is no longer the base; restore them, '
+                       'or set config.data.path to a copy, or start a new workdir')
+    self.task.require('records')
+    sampler = make_eval_sampler(c)
+    sample_fn = make_sample_fn(sampler, self.apply_fn, self.task.sample_shape, self.mesh,
+                               model_params(self.state_shardings), self.plan, self.cast_params)
+    todo = synthesis.prompts_round_robin(self.task.prompt_set(), int(c.data.base_samples))
+    logger.info('base samples: %d samples of the base model over %d training prompts (%d-step %s '
+                'sampler) into %s, for the data term', len(todo), len(set(todo)), sampler.num_steps,
+                'deterministic' if sampler.noise == 0 else 'stochastic', out)
+    described = dict(task=c.task, sampler='eval', steps=int(sampler.num_steps), model='initial')
+    summary = synthesis.write_samples(
+        self.task, sample_fn, model_params(self.state), self.mesh, out, todo, seed=c.seed,
+        batch=c.batch_size * c.num_rollouts, described=described,
+        extra=dict(source='trainer base samples', config_task=c.task), progress=progress,
+        desc='base samples')
+    logger.info('base samples: %d records in %s (%d non-finite skipped)', summary['num_records'], out,
+                summary['skipped_nonfinite'])
+    self.loader = self.make_loader()
+    self.checkpoints.loader = self.loader
+    return summary
 
   # ------------------------------------------------------------------------------------- state
   def restore_or_init(self, read_only=False):
@@ -641,6 +697,8 @@ class Trainer:
     """
     c = self.config
     start = self.restore_or_init()
+    if self.base_samples_dir and self.loader is None:
+      self.synthesize_base_samples(start, progress=progress)
     self.event('restored', step=start)
     self._build()
     main = distributed.is_main_process()       # process 0 alone writes metrics and shows the bar

@@ -52,6 +52,7 @@ VALIDATE = [
     ('ddrl', {'eval_samples': 0}, 'config.eval_samples=0: must be >= 1'),
     ('ddrl', {'eval_videos': -1}, 'config.eval_videos=-1'),
     ('ddrl', {'eval_video_fps': 0}, 'config.eval_video_fps=0'),
+    ('ddrl', {'data.base_samples': -5}, 'config.data.base_samples=-5'),
     ('ddrl', {'sampler.kind': 'euler'}, "config.sampler.kind='euler': unknown sampler"),
     ('ddrl', {'sampler.num_steps': 1}, 'config.sampler.num_steps=1: need T >= 2'),
     ('ddrl', {'sampler.eval_num_steps': 1}, 'config.sampler.eval_num_steps=1: need 0'),

@@ -22,7 +22,7 @@ FULL = [
      ('config.sd3.checkpoint', 'config.sd3.vae_checkpoint', 'config.sd3.text_encoders',
       '--model=sd35_medium', '--model=sd35_vae')),
     ('configs/sd35m.py:ddrl', sd35m.get_config, 'ddrl',
-     ('config.sd3.checkpoint', 'config.data.path', 'python -m ddrl_jax.data.synthesize')),
+     ('config.sd3.checkpoint', 'config.sd3.vae_checkpoint')),
     ('configs/wan1_3b.py:flow_grpo', wan1_3b.get_config, 'flow_grpo',
      ('config.wan.checkpoint', 'config.wan.vae_checkpoint', 'config.wan.text_encoder', '--model=wan1_3b',
       '--model=wan21_vae')),
@@ -41,8 +41,8 @@ def test_full_presets_name_every_missing_input_before_building(spec, get_config,
   assert '\n' not in text and not os.path.exists(tmp_path / 'run')
   for key in keys:
     assert key in text, (key, text)
-  if 'ddrl' not in spec and 'cosmos' not in spec:
-    assert 'config.data.path' not in text        # only DDRL has a data term
+  if 'cosmos' not in spec:
+    assert 'config.data.path' not in text   # DDRL's base samples are made by the trainer (data.base_samples)
   smoke = get_config((arg + '_smoke') if arg else 'smoke')
   assert not smoke.require_inputs
   import jax  # pylint: disable=g-import-not-at-top
@@ -51,6 +51,17 @@ def test_full_presets_name_every_missing_input_before_building(spec, get_config,
   config.require_inputs = False                                   # random weights on purpose: no stop
   assert tasks.get_task(config) is not None
   preflight.check(config, tasks.get_task(config))
+
+
+def test_ddrl_without_base_samples_names_both_ways_to_data(tmp_path):
+  config = sd35m.get_config('ddrl')
+  assert config.data.base_samples == config.num_iterations * config.batch_size == 7200
+  config.data.base_samples = 0
+  with pytest.raises(preflight.MissingInputs) as e:
+    trainer_lib.Trainer(config, str(tmp_path / 'run'))
+  text = str(e.value)
+  assert 'config.data.path' in text and '--config.data.base_samples=<N>' in text
+  assert 'python -m ddrl_jax.data.synthesize' in text
 
 
 @pytest.mark.parametrize('spec', ['configs/sd35m.py:flow_grpo', 'configs/wan1_3b.py:dance_grpo'])

@@ -16,7 +16,6 @@ from ddrl_jax import parallel
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.data import prepare
 from ddrl_jax.data import records
-from ddrl_jax.data import synthesize
 from ddrl_jax.models import convert
 from ddrl_jax.models import family as family_lib
 from ddrl_jax.models import lora as lora_lib
@@ -213,17 +212,14 @@ def test_flow_grpo_smoke_runs_with_cfg_and_the_ocr_reward(tmp_path):
 
 @pytest.mark.slow
 def test_ddrl_smoke_regularizes_with_the_bases_own_samples(tmp_path):
-  """data.synthesize writes the base's samples (with their text and pooled embeddings); DDRL trains on
-  them: the paper's Table 4 recipe at toy size."""
+  """The DDRL preset samples the base first (config.data.base_samples, with the text and pooled
+  embeddings) and trains on those records: the paper's Table 4 recipe at toy size, no manual step."""
   config = sd35m.get_config('ddrl_smoke')
-  config.batch_size = 4                 # synthesize samples over all 8 test devices: 4 x 2 slots
-  prompts = sd3_ocr.SD3OCR(config).train_prompts[:4]
-  summary = synthesize.synthesize(config, str(tmp_path / 'syn'), prompts=prompts, per_prompt=2, batch=8,
-                                  progress=False)
-  assert summary['num_records'] == 8
-  recs = records.read_all(str(tmp_path / 'syn'))
-  assert {'text_embedding', 'pooled_embedding'} <= set(recs[0])
-  config.data.path = str(tmp_path / 'syn')
+  config.batch_size = 4
+  config.data.base_samples = 8
   trainer, metrics = _train(config, tmp_path / 'w')
-  assert int(trainer.state.step) == 2
+  recs = records.read_all(str(tmp_path / 'w' / 'base_samples'))
+  assert len(recs) == 8 and {'text_embedding', 'pooled_embedding'} <= set(recs[0])
+  assert {r['prompt'] for r in recs} <= set(sd3_ocr.SD3OCR(config).train_prompts)
+  assert int(trainer.state.step) == 2 and metrics['data_records_seen'] == 8
   assert np.isfinite(metrics['loss']) and np.isfinite(metrics['data_loss'])

@@ -117,10 +117,10 @@ class PromptTask(base.FamilyTask):
            preflight.Input(f'{sec}.{self.TEXT_ENCODER_KEY}', c.get(self.TEXT_ENCODER_KEY, ''),
                            'the text encoders', f'{src} (its text encoder and tokenizer folders)')]
     algo = rl_algorithms.get_algorithm(self.config.algorithm)
-    if algo.uses_data and self.config.rl.data_beta > 0:
+    if algo.uses_data and self.config.rl.data_beta > 0 and not self.config.data.get('base_samples', 0):
       out.append(preflight.Input('data.path', self.config.data.path, "the data term's records (the base's "
-                                 'own samples)', 'python -m ddrl_jax.data.synthesize --config=<this config> '
-                                 '--out=<dir>'))
+                                 'own samples)', '--config.data.base_samples=<N> (sampled on the first run) or '
+                                 'python -m ddrl_jax.data.synthesize --config=<this config> --out=<dir>'))
     return out
 
   # --------------------------------------------------------------------------------- hooks
@@ -206,8 +206,8 @@ class PromptTask(base.FamilyTask):
     del key
     algo = rl_algorithms.get_algorithm(self.config.algorithm)
     if algo.uses_data and self.config.rl.data_beta > 0:
-      raise ValueError(f'the {self.config.task} task has no built-in data: set config.data.path to records, '
-                       "e.g. the base model's samples from python -m ddrl_jax.data.synthesize")
+      raise ValueError(f'the {self.config.task} task has no built-in data: set config.data.base_samples '
+                       "(the trainer samples the base model first) or config.data.path to records")
     return jnp.zeros((cond['index'].shape[0],) + tuple(self.sample_shape), jnp.float32)
 
   def from_records(self, batch, key):
