@@ -165,12 +165,13 @@ def compile_report(config, topology, num_slices=1, fns=None, compiler_options=No
   """Compiles `fns` for `topology`; yields one dict per function (see the module docstring). fns: of
   ALL_FUNCTIONS; None: FUNCTIONS, and TEXT_ENCODER when the task runs a text encoder on the devices. With
   `lower_only`, stops after lowering: fn, topology, mesh, attention, attention_family, lower_s."""
-  devices = topology_lib.topology_devices(topology, num_slices)
-  platform = devices[0].platform
-  config_lib.validate(config, len(devices))
-  mesh = parallel.make_mesh(config.mesh, devices)
+  # The config and the task are checked before libtpu loads: a mistake is one line, found in a second.
   task = tasks.get_task(config)
   task.require('aot')
+  config_lib.validate(config, topology_lib.num_devices(topology, num_slices))
+  devices = topology_lib.topology_devices(topology, num_slices)
+  platform = devices[0].platform
+  mesh = parallel.make_mesh(config.mesh, devices)
   family = task.family
   plan = parallel.ShardingPlan.for_model(config, mesh, family)
   optimizer = optim.make_optimizer(config.optim)
@@ -293,6 +294,10 @@ def main(argv):
   bad = [f for f in _FNS.value if f not in ALL_FUNCTIONS]
   if bad:
     raise app.UsageError(f'--fns: unknown {bad}; known: {ALL_FUNCTIONS}')
+  try:
+    topology_lib.num_devices(_TOPOLOGY.value, _NUM_SLICES.value)
+  except ValueError as e:
+    raise app.UsageError(f'--topology={_TOPOLOGY.value}: {e}') from e
   distributed.initialize(distributed.options_from_flags())   # the compilation cache; a no-op alone
   failed = []
   out = open(_OUT.value, 'a') if _OUT.value else None

@@ -143,13 +143,19 @@ def config_differences(saved, current, extra_safe=()):
   return ([d for d in diffs if _safe(d[0], extra_safe)], [d for d in diffs if not _safe(d[0], extra_safe)])
 
 
+def describe_differences(diffs, limit=8):
+  """'key: old in the checkpoint, new now; ...' of (key, old, new) triples, the first `limit` of them."""
+  first = ('task', 'algorithm', 'model_family')      # what tells another run from a changed one
+  diffs = sorted(diffs, key=lambda d: first.index(d[0]) if d[0] in first else len(first))
+  shown = '; '.join(f'{k}: {v!r} in the checkpoint, {w!r} now' for k, v, w in diffs[:limit])
+  return shown + (f' (and {len(diffs) - limit} more)' if len(diffs) > limit else '')
+
+
 def check_compatible(saved, current, step_dir, extra_safe=()):
   """Raises IncompatibleCheckpoint listing the unsafe differences; returns the safe ones."""
   safe, unsafe = config_differences(saved, current, extra_safe)
   if unsafe:
-    shown = '; '.join(f'{k}: {v!r} in the checkpoint, {w!r} now' for k, v, w in unsafe[:8])
-    more = f' (and {len(unsafe) - 8} more)' if len(unsafe) > 8 else ''
     raise IncompatibleCheckpoint(
-        f'{step_dir} was written with another config: {shown}{more}. Resume with the same config '
+        f'{step_dir} was written with another config: {describe_differences(unsafe)}. Resume with the same config '
         f'(only {", ".join(SAFE_TO_CHANGE + tuple(extra_safe))} may change), or use a new --workdir.')
   return safe

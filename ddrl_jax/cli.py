@@ -6,8 +6,9 @@
 
 on stderr and exits 2. The mistakes: a missing required flag, an unknown flag or config key, a value of the
 wrong type, a config file that does not exist (found while the flags are parsed, before any JAX work), an
-unknown preset (`--config=FILE:preset`), an argument that is not a flag, and any `ConfigError` or
-`UsageError` raised by `main` (e.g. a value `config.validate` rejects). `--traceback` (or
+unknown preset (`--config=FILE:preset`), an argument that is not a flag, and any `ConfigError`,
+`UsageError`, task `Unsupported` or `CheckpointError` (a workdir holding another config's run, damaged
+checkpoints) raised by `main` (e.g. a value `config.validate` rejects). `--traceback` (or
 DDRL_TRACEBACK=1) shows the full trace instead. `--help` prints the flags and exits 0.
 """
 import difflib
@@ -210,7 +211,10 @@ def run(main, required=()):
       return main(argv)
     except Exception as e:  # pylint: disable=broad-except  (re-raised unless it is a usage mistake)
       from ddrl_jax.config import ConfigError  # pylint: disable=g-import-not-at-top  (jax; serve needs none)
-      if wants_traceback() or not isinstance(e, (UsageError, app.UsageError, ConfigError)):
+      from ddrl_jax.tasks.base import Unsupported  # pylint: disable=g-import-not-at-top
+      from ddrl_jax.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
+      if wants_traceback() or not isinstance(e, (UsageError, app.UsageError, ConfigError, Unsupported,
+                                                 CheckpointError)):
         raise
       if isinstance(e, UsageError):
         fail(e.what, e.fix)

@@ -13,7 +13,13 @@ dimensions and mean) per category, mode (t2v/i2v) and overall, for the checkpoin
 evaluation.jsonl, MP4s of the first --videos_per_category prompts of each category, base|trained
 side-by-side MP4s and grid.png. --max_prompts cuts the file for a quick look.
 
-OCR (the rest of this docstring):
+Every other task (SD3.5 and Wan OCR, the toy mixture): the trainer's own evaluation at 'base' or a
+workdir's latest checkpoint (the fixed held-out conditions, the evaluation sampler, the task's metrics for
+the parameters and their EMA), one JSON row appended to --out and the sample grid beside it:
+
+  python -m ddrl_jax.evaluate --config=configs/sd35m.py:ddrl $W --checkpoint=/runs/sd3_ddrl
+
+The OCR toy task (configs/ocr_tiny.py; the rest of this docstring):
 
   python -m ddrl_jax.evaluate --config=configs/ocr_tiny.py --checkpoint=base
   python -m ddrl_jax.evaluate --config=configs/ocr_tiny.py --checkpoint=/tmp/ocr_ddrl [--ema]
@@ -52,6 +58,7 @@ All statistics are defined in tasks/ocr_metrics.py.
 """
 import json
 import os
+import sys
 import time
 
 from absl import flags
@@ -278,6 +285,11 @@ def main_video(config, ckpt):
   from ddrl_jax.tasks import video_eval  # pylint: disable=g-import-not-at-top
   path = _PROMPT_FILE.value or config.cosmos.get('eval_prompts', '')
   judges = list(_JUDGES.value or config.cosmos.get('eval_rewards', ()))
+  from ddrl_jax.rewards import registry  # pylint: disable=g-import-not-at-top
+  unknown = [j for j in judges if j not in registry.known_rewards()]
+  if unknown:
+    raise cli.UsageError(f'unknown judges {unknown} (--judges or config.cosmos.eval_rewards); known: '
+                         f'{registry.known_rewards()}', 'name registered rewards')
   found = evaluation_inputs(config, judges, path)
   if found:
     raise cli.UsageError('the evaluation needs inputs it was not given: ' + '; '.join(found),
@@ -322,6 +334,45 @@ def main_video(config, ckpt):
   return rows
 
 
+def evaluate_in_run_form(config, checkpoint, out=None):
+  """Any other task (SD3.5 and Wan OCR, the toy mixture, ...): the trainer's own evaluation (the fixed
+  held-out conditions, the evaluation sampler, the task's metrics, of the parameters and of their EMA)
+  at 'base' or at a trainer workdir's latest checkpoint. Appends one JSON row to `out` (default
+  <workdir>/evaluation.jsonl, or /tmp for 'base') and copies the sample grid beside it; returns the row."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import storage  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
+  is_base = checkpoint == 'base'
+  if not is_base and not storage.exists(os.path.join(storage.absolute(checkpoint), 'checkpoints')):
+    raise cli.UsageError(f"--checkpoint={checkpoint}: not a trainer workdir (no checkpoints/ in it)",
+                         "pass 'base' or the --workdir of a training run")
+  preflight.check_model_then_skip(config, cli.config_spec(sys.argv) or 'the config')
+  with tempfile.TemporaryDirectory() as scratch:
+    trainer = trainer_lib.Trainer(config, scratch if is_base else checkpoint)
+    step = trainer.restore_or_init(read_only=True)
+    if not is_base and step == 0 and not trainer.checkpoints.steps():
+      raise cli.UsageError(f'--checkpoint={checkpoint}: its checkpoints/ holds no checkpoint yet',
+                           'wait for the first save (config.checkpoint_every) or pass base')
+    trainer._build()  # pylint: disable=protected-access  (the evaluation sampler and reward service)
+    try:
+      t0 = time.perf_counter()
+      metrics = trainer.evaluate(step)
+    finally:
+      trainer.close_rewards()
+    out = out or os.path.join('/tmp' if is_base else checkpoint, 'evaluation.jsonl')
+    row = dict(checkpoint=checkpoint, step=step, seconds=time.perf_counter() - t0,
+               **{k: float(v) for k, v in metrics.items()})
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, 'a') as f:
+      f.write(json.dumps(row) + '\n')
+    if trainer.last_samples and os.path.exists(trainer.last_samples):
+      grid = os.path.splitext(out)[0] + f'_{len(open(out).readlines()):03d}.png'
+      shutil.copyfile(trainer.last_samples, grid)
+      row['grid'] = grid
+  return row
+
+
 def main(argv):
   del argv
   console.setup()
@@ -329,6 +380,11 @@ def main(argv):
   if config.task == 'video':
     main_video(config, ckpt)
     return
+  if config.task != 'ocr':
+    print(json.dumps(evaluate_in_run_form(config, ckpt, _OUT.value)))
+    return
+  from ddrl_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  config_lib.validate(config, jax.device_count())
   task, apply_fn, params = load_params(config, ckpt, _EMA.value)
   t0 = time.perf_counter()
   metrics, grid = evaluate_ocr(config, apply_fn, params, task, prompts=_PROMPTS.value,

@@ -15,6 +15,7 @@ Reads the workdir's latest checkpoint (the same config as the run, as for resumi
 """
 import json
 import os
+import sys
 
 from absl import flags
 import jax
@@ -30,6 +31,11 @@ from ddrl_jax.models import lora_export
 def export(config, workdir, out, *, ema=False, merged=False, devices=None):
   """Writes the export files of `workdir`'s latest checkpoint into `out`; returns the export.json dict.
   devices: those the checkpoint is restored onto (default: all; the run's batch must divide over them)."""
+  from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import storage  # pylint: disable=g-import-not-at-top
+  if not storage.exists(os.path.join(str(workdir), 'checkpoints')):
+    raise cli.UsageError(f'--workdir={workdir}: no training run there (no checkpoints/)',
+                         'give the --workdir of a LoRA run')
   spec = lora_lib.from_config(config)
   if not spec.enabled:
     saved = _saved_lora(workdir)
@@ -42,7 +48,9 @@ def export(config, workdir, out, *, ema=False, merged=False, devices=None):
           f'--config.lora.alpha={saved.get("alpha")}' + (f" --config.lora.targets='{targets}'" if targets else ''))
     raise cli.UsageError('config.lora.rank is 0 and so was the run\'s: it trained every parameter, there are '
                          'no adapters to export', 'give the workdir of a LoRA run (config.lora.rank > 0)')
-  config.require_inputs = False      # everything exported comes from the workdir's checkpoint
+  # The adapters come from the checkpoint, the frozen base from the config's weights (checked against
+  # the fingerprint the run saved): those must be given, the training data need not.
+  preflight.check_model_then_skip(config, cli.config_spec(sys.argv) or 'the config')
   trainer = trainer_lib.Trainer(config, workdir, devices=devices)
   step = trainer.restore_or_init(read_only=True)
   if step == 0:

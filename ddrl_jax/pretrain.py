@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 import tqdm
 
 from ddrl_jax import cli
+from ddrl_jax import config as config_lib
 from ddrl_jax import console
 from ddrl_jax import distributed
 from ddrl_jax import image_grid
@@ -112,13 +113,14 @@ def pretrain(config, workdir, progress=True):
 
   Data parallel over every device of every process: the state is replicated, each process feeds its
   rows of each batch, and process 0 writes metrics, grids and the export's log."""
+  task = tasks.get_task(config)
+  task.require('pretrain')       # a task without pretraining (or a config without the section): one line
+  config_lib.validate(config, jax.device_count())
   c = config.pretrain
   if not 0 <= c.warmup_steps < c.steps:
     raise cli.UsageError(
         f'config.pretrain.warmup_steps={c.warmup_steps} with config.pretrain.steps={c.steps}: the '
         'cosine decay needs 0 <= warmup_steps < steps', 'lower warmup_steps or raise steps')
-  task = tasks.get_task(config)
-  task.require('pretrain')
   mesh = parallel.make_mesh(config.mesh, jax.devices())
   key = jax.random.key(c.seed)
   apply_fn, params = task.init_untrained(jax.random.fold_in(key, 0))   # never from the base it makes

@@ -134,10 +134,12 @@ class RunCheckpoints:
     if 'config' not in metadata:
       raise checkpoints_lib.DamagedCheckpoint(f'{path}: no config item')
     saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+    unsafe = []
     if strict:
       changed = checkpoints_lib.check_compatible(saved, self.config.to_dict(), path, self.safe_keys)
     else:
-      changed = sum(checkpoints_lib.config_differences(saved, self.config.to_dict(), self.safe_keys), [])
+      safe, unsafe = checkpoints_lib.config_differences(saved, self.config.to_dict(), self.safe_keys)
+      changed = safe + unsafe
     for key, old, new in changed:
       logger.info('%s %s with %s changed: %r -> %r', 'resuming' if strict else 'reading', path, key, old,
                   new)
@@ -145,7 +147,16 @@ class RunCheckpoints:
     if self.loader is not None and strict:    # readers (read_only) do not continue the record stream
       self._check_loader_state(path, metadata)
       items['data'] = data_pipeline.restore_args(self.loader)   # restores the loader in place
-    restored = self.manager.restore(step, args=ocp.args.Composite(**items))['state']
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(**items))['state']
+    except Exception as e:  # pylint: disable=broad-except
+      if not unsafe:
+        raise
+      # A reader given another config than the run's: its state has other shapes, which is not damage.
+      raise checkpoints_lib.IncompatibleCheckpoint(
+          f'{path} holds a run of another config, whose state does not fit this one: '
+          f'{checkpoints_lib.describe_differences(unsafe)}; read it with the config it was trained '
+          'with') from e
     if int(restored['step']) != step:
       raise checkpoints_lib.DamagedCheckpoint(f'{path}: holds step {int(restored["step"])}, not {step}')
     return restored

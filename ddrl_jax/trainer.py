@@ -249,6 +249,11 @@ class Trainer:
     path = self._data_path()
     if not path:
       return None
+    try:
+      data_records.list_shards(path)
+    except ValueError as e:
+      raise config_lib.ConfigError(f'config.data.path={path!r}: {e}'.replace(f': {path!r}: ', ': '),
+                                   'data.path') from e
     manifest = os.path.join(path, 'manifest.json') if os.path.isdir(path) else None
     expected = data_records.expected_from_manifest(path) if manifest and os.path.exists(
         manifest) else None

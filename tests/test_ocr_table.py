@@ -632,6 +632,51 @@ def test_report_levels_and_matched_reference(tmp_path, capsys):
   assert ocr_table.parse_args([]).judge_renders == 1024      # the recorded experiments' references
 
 
+def test_a_report_without_cells_reads_every_recorded_cell(tmp_path, capsys):
+  """A committed rows file of a sweep plan (as benchmarks/ocr_pareto.jsonl: '<preset>@<key>=<value>'
+  methods and an arm, recorded under another --cells) reported with --report and no --cells: every
+  recorded cell is tabled and the sweeps compared, and the rewritten record keeps every row (the default
+  plan's cells used to select the base row alone, and the record was rewritten with that row only)."""
+  rows = _sweep_rows(np.random.default_rng(0))
+  rows += [_row('ddrl_data_only', s, 50, 0.3, typicality=0.06) for s in range(2)]
+  out = tmp_path / 'out'
+  out.mkdir()
+  ocr_table.write_rows(str(out / 'sweep.jsonl'), rows)
+  ocr_table.main(['--report', '--name=sweep', f'--out={out}', f'--workdir={tmp_path / "work"}',
+                  '--levels=0.55'])
+  text = capsys.readouterr().out
+  assert '| ddrl@rl.data_beta=0.1 | 200 | 3 | 0.500 ± 0.025 |' in text
+  assert '| ddrl_data_only | 50 | 2 | 0.300 ± 0.000 |' in text
+  assert len([l for l in text.splitlines() if l.startswith('| ddrl@rl.data_beta | ')]) == 3
+  matched = [l for l in text.splitlines() if l.startswith('| 0.55 | typicality')]
+  assert len(matched) == 1 and 'not reached' not in matched[0] and matched[0].count('[') == 3
+  assert len(ocr_table.read_rows(str(out / 'sweep.jsonl'))) == len(rows)
+  assert ocr_table.parse_args([]).cells == ocr_table.DEFAULT_CELLS       # a run still has its plan
+  with pytest.raises(SystemExit, match='recorded'):
+    ocr_table.main(['--report', '--name=sweep', f'--out={out}', f'--workdir={tmp_path / "work"}',
+                    '--contrast_reference=ddrl'])
+
+
+def test_rows_of_the_first_one_seed_table_are_read_as_seed_0(tmp_path, capsys):
+  """benchmarks/ocr_table.jsonl's rows (the first version, --methods=...) carry no seed and count NFE, not
+  passes: they are read as the config's seed 0, and the table leaves their cost column empty."""
+  rows = [{k: v for k, v in _row(m, 0, it, ocr).items() if k not in ('seed', 'passes_rollout', 'passes_train')}
+          for m, it, ocr in (('base', 0, 0.24), ('ddrl', 0, 0.24), ('ddrl', 80, 0.38), ('flow_grpo', 0, 0.24),
+                             ('flow_grpo', 80, 0.39))]
+  assert [r['seed'] for r in ocr_table.read_rows(_write(tmp_path / 'out' / 'old.jsonl', rows))] == [0] * 5
+  ocr_table.main(['--report', '--name=old', f'--out={tmp_path / "out"}', f'--workdir={tmp_path / "work"}'])
+  text = capsys.readouterr().out
+  assert '| DDRL | 80 | 1 | 0.380 |' in text and text.count('| - | 80.0 |') == 2
+  assert '| FlowGRPO | 80 | 1, 1 | 93% | -0.010 |' in text     # gains 0.14 / 0.15
+
+
+def _write(path, rows):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    f.writelines(json.dumps(r) + '\n' for r in rows)
+  return str(path)
+
+
 def test_spread_prompts_takes_the_first_sample_of_evenly_spread_strings():
   texts = ['a', 'a', 'b', 'b', 'c', 'c', 'd', 'd']
   assert ocr_table.spread_prompts(texts, 2) == [0, 6]

@@ -234,3 +234,22 @@ def test_trainer_loses_no_iteration_to_a_redis_restart(redis_server, servers, tm
   train = [r for r in rows if 'loss' in r]
   assert [r['step'] for r in train] == [1, 2, 3, 4]
   assert all(r['failed_rewards'] == 0 and np.isfinite(r['reward_mean']) for r in train), train
+
+
+def test_periodic_wait_lines_are_never_more_than_their_interval_apart():
+  """The wait loop wakes every <= LOOP_S seconds (BLPOP timeout, retries); `_due` writes a line early
+  enough that consecutive lines are at most REDIS_DOWN_LOG_S apart, and at least the interval less a
+  wake apart (not a line per wake)."""
+  from ddrl_jax.rewards import redis_backend  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  every = redis_backend.REDIS_DOWN_LOG_S
+  for _ in range(200):
+    now, last, lines = 0.0, 0.0, [0.0]
+    while now < 120:
+      now += rng.uniform(0.01, redis_backend.LOOP_S)
+      if redis_backend._due(now, last, every):   # pylint: disable=protected-access
+        last = now
+        lines.append(now)
+    gaps = np.diff(lines + [now])
+    assert gaps.max() <= every + 1e-9, gaps.max()
+    assert np.diff(lines).min() >= every - redis_backend.LOOP_S

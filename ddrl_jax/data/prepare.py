@@ -21,6 +21,7 @@ and no text embedding.
 """
 import json
 import os
+import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -166,7 +167,8 @@ def prepare(source, out, task, *, manifest=None, records_per_shard=1000, batch=8
     raise ValueError(f'batch={batch}: must be >= 1')
   items, ignored = find_items(source, manifest)
   if not items:
-    raise ValueError(f'{manifest or source}: no media files ({", ".join(media_lib.MEDIA_EXTENSIONS)})')
+    raise cli.UsageError(f'{manifest or source}: no media files ({", ".join(media_lib.MEDIA_EXTENSIONS)})',
+                         'check --source (and --manifest)')
   skipped = []
   recs = _records(items, source, task, batch=batch, text=text, pad_frames=pad_frames,
                   repeat_images=repeat_images, skip_bad=skip_bad, skipped=skipped)
@@ -210,8 +212,12 @@ def main(fl):
   console.setup()
   v = {k: h.value for k, h in fl.items()}
   if v['config'] is not None:
+    from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
     from ddrl_jax import tasks  # pylint: disable=g-import-not-at-top
     task = tasks.get_task(v['config'])
+    # Encoding needs the VAE and the text encoders, not the denoiser's weights nor any training input.
+    preflight.check(v['config'], task, cli.config_spec(sys.argv) or 'the config', model_only=True,
+                    skip=lambda key: key.endswith('.checkpoint') and not key.endswith('vae_checkpoint'))
     batch = v['batch'] or v['config'].get('cosmos', {}).get('vae_batch', 8)
   else:
     if not (v['height'] and v['width']):

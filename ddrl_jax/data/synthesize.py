@@ -19,6 +19,7 @@ its first unfinished shard (ddrl_jax.data.synthesis). Non-finite samples are ski
 """
 import logging
 import os
+import sys
 import tempfile
 
 from absl import flags
@@ -26,6 +27,8 @@ from ml_collections import config_flags
 
 from ddrl_jax import cli
 from ddrl_jax import console
+from ddrl_jax import preflight
+from ddrl_jax import storage
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import update as update_lib
 from ddrl_jax.data import synthesis
@@ -60,6 +63,10 @@ def synthesize(config, out, *, workdir=None, prompts=None, per_prompt=1, num=Non
                ema=False, text=True, sampler='eval', records_per_shard=1000, progress=True):
   """Writes per_prompt samples of every prompt (or `num` samples over the prompts in turn) to `out`;
   returns a summary dict (ddrl_jax.data.synthesis.write_samples)."""
+  if workdir and not storage.exists(os.path.join(str(workdir), 'checkpoints')):
+    raise cli.UsageError(f'--workdir={workdir}: no training run there (no checkpoints/)',
+                         'give a trainer --workdir, or none to sample the base model')
+  preflight.check_model_then_skip(config, cli.config_spec(sys.argv) or 'the config')
   with tempfile.TemporaryDirectory() as scratch:
     trainer = trainer_lib.Trainer(config, workdir or scratch)
     step = trainer.restore_or_init(read_only=True)

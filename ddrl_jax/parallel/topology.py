@@ -106,6 +106,12 @@ def topology(name):
   return TOPOLOGIES[name]
 
 
+def num_devices(name, num_slices=1):
+  """JAX devices of `num_slices` slices of `name` ('cpu-N': N), without loading libtpu."""
+  match = _CPU_NAME.fullmatch(name)
+  return int(match.group(1)) if match else topology(name).num_chips * num_slices
+
+
 def hbm_bytes(name):
   """HBM bytes per chip (= per JAX device) of a TPU name; None for 'cpu-N'."""
   if _CPU_NAME.fullmatch(name):
@@ -126,7 +132,7 @@ def topology_devices(name, num_slices=1):
   if match:
     return _cpu_devices(int(match.group(1)), num_slices)
   spec = topology(name)
-  _allow_shared_libtpu()
+  _allow_shared_libtpu(name)
   try:
     desc = topologies.get_topology_desc(
         platform='tpu', topology_name=spec.topology_name, chip_config_name=spec.chip_config_name,
@@ -155,8 +161,9 @@ def _cpu_devices(n, num_slices):
   return devices[:n]
 
 
-def _allow_shared_libtpu():
-  """On a host without TPU chips, lets libtpu load while another process holds its lockfile.
+def _allow_shared_libtpu(accelerator_type):
+  """On a host without TPU chips, lets libtpu load while another process holds its lockfile (and
+  quietly: see below).
 
   With libtpu installed every JAX process whose platforms include 'tpu' (the default) takes
   /tmp/libtpu_lockfile for its lifetime, even where TPU init then fails; without this a compile-only
@@ -166,6 +173,11 @@ def _allow_shared_libtpu():
   if 'ALLOW_MULTIPLE_LIBTPU_LOAD' in os.environ or _host_has_tpu_chips():
     return
   os.environ['ALLOW_MULTIPLE_LIBTPU_LOAD'] = '1'
+  # Without a TPU VM's metadata libtpu cannot tell the accelerator type or worker names and prints
+  # five lines of INVALID_ARGUMENT noise before the first compile; naming them (the compile-only
+  # topology is passed explicitly anyway) keeps a CPU host's aot output to its own lines.
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', accelerator_type)
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
 
 
 def _host_has_tpu_chips():

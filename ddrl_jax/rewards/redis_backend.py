@@ -129,8 +129,16 @@ return 'requeued'
 
 # The trainer blocks in a pending batch's result() only after its own work (the data gradient) is done, so
 # every second there is idle time: no stretch of it goes unexplained for longer than these.
-REDIS_DOWN_LOG_S = 10.0      # while Redis or every server is gone, say so again this often
-WAIT_LOG_S = 10.0            # a wait with live servers is reported this often (where the task is)
+REDIS_DOWN_LOG_S = 10.0      # while Redis or every server is gone, say so again at least this often
+WAIT_LOG_S = 10.0            # a wait with live servers is reported at least this often (where the task is)
+# The wait loop wakes at least every 5 s (its BLPOP timeout, or a failing call's retries), so a line is
+# due once this much less than the interval has passed: consecutive lines are never more than it apart.
+LOOP_S = 5.0
+
+
+def _due(now, last, every):
+  """Whether a periodic line last written at `last` must be written now for lines <= `every` apart."""
+  return now - last >= every - LOOP_S
 
 
 class RedisRewardClient:
@@ -317,7 +325,7 @@ class _RedisPending:
         now = time.monotonic()
         if live:
           no_server_since = None
-          if now - last_wait_log >= WAIT_LOG_S:
+          if _due(now, last_wait_log, WAIT_LOG_S):
             logger.warning('waiting %.0f s for the rewards of task %s (%s, attempt %d; %d live server(s))',
                            now - start, self.id, state, max(1, last_attempts), len(live))
             last_wait_log = now
@@ -327,7 +335,7 @@ class _RedisPending:
             logger.warning('no live reward server on %s (task %s %s); start one with python -m '
                            'ddrl_jax.rewards.serve --redis=%s; this batch fails in %.0f s without one',
                            c.url, self.id, state, c.url, c.no_server_grace_s)
-          elif now - last_no_server_log >= REDIS_DOWN_LOG_S:
+          elif _due(now, last_no_server_log, REDIS_DOWN_LOG_S):
             logger.warning('no live reward server on %s for %.0f s', c.url, now - no_server_since)
             last_no_server_log = now
           if now - no_server_since >= c.no_server_grace_s:
@@ -344,7 +352,7 @@ class _RedisPending:
           c.stats['redis_outages'] += 1
           logger.warning('redis %s unreachable (%s); waiting for it (task %s, %.0f s left)', c.url,
                          type(e).__name__, self.id, max(0.0, self.deadline - now))
-        elif now - last_down_log >= REDIS_DOWN_LOG_S:
+        elif _due(now, last_down_log, REDIS_DOWN_LOG_S):
           logger.warning('redis %s unreachable for %.0f s', c.url, now - down_since)
           last_down_log = now
         no_server_since = None         # servers cannot be seen while Redis is down
