@@ -4,6 +4,7 @@ seeds per method, with confidence intervals, two OCR readers and the hacking sta
   python benchmarks/ocr_table.py                        # the full plan; resumes wherever it stopped
   python benchmarks/ocr_table.py --budget_minutes=120   # stop cleanly after ~2 hours (rerun to go on)
   python benchmarks/ocr_table.py --report               # only the table and plot from the recorded rows
+                                                        # (every recorded cell; --cells narrows it)
   python benchmarks/ocr_table.py --cells='ddrl:0;dance_grpo:0' --iterations=40 --eval_every=20
   python benchmarks/ocr_table.py --cells='ddrl:0;ddrl+lora4:0;ddrl+lora16:0' --iterations=80 --eval_every=40 \
       --workdir=workdir_ocr_lora --out=benchmarks/ocr_lora        # LoRA against full fine-tuning
@@ -244,10 +245,19 @@ def parse_cells(text):
 
 
 def read_rows(path):
+  """The rows of a rows file ([] where there is none). Rows of the first, one-seed version of this script
+  (ocr_table.jsonl, --methods=...) carry no 'seed': they ran the config's seed 0, and are read as such."""
   if not os.path.exists(path):
     return []
   with open(path, encoding='utf-8') as f:
-    return [json.loads(line) for line in f if line.strip()]
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [r if 'seed' in r or 'method' not in r else dict(r, seed=0) for r in rows]
+
+
+def recorded_cells(rows):
+  """[(method, seed)] of every cell `rows` record (the base's included), in order of first appearance:
+  what --report and --rejudge read when --cells is not given, whatever plan the rows were made with."""
+  return list(dict.fromkeys((r['method'], r.get('seed')) for r in rows if r.get('method') is not None))
 
 
 def write_rows(path, rows):
@@ -574,7 +584,8 @@ def table(rows):
     if method == 'base':
       continue
     cells = [cell_text(stats[k], fmt) if k in stats else '-' for k, _, fmt in present]
-    cost = f"{stats['passes_rollout'][0]:.0f} + {stats['passes_train'][0]:.0f}"
+    cost = (f"{stats['passes_rollout'][0]:.0f} + {stats['passes_train'][0]:.0f}"
+            if 'passes_rollout' in stats and 'passes_train' in stats else '-')   # the first table counted NFE
     lines.append(f'| {LABELS.get(method, method)} | {it} | {n} | ' + ' | '.join(cells) +
                  f" | {cost} | {cell_text((stats['train_seconds'][0] / 60, stats['train_seconds'][1] / 60), '.1f')} |")
   return '\n'.join(lines)
@@ -1148,7 +1159,9 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--iterations', type=int, default=200)
   p.add_argument('--eval_every', type=int, default=25)
-  p.add_argument('--cells', default=DEFAULT_CELLS, help='method:seed,seed;... (presets of ocr_tiny)')
+  p.add_argument('--cells', default=None,
+                 help='method:seed,seed;... (presets of ocr_tiny); default: DEFAULT_CELLS for a run, and '
+                      'with --report or --rejudge every cell the recorded rows hold')
   p.add_argument('--workdir', default=os.path.join(REPO, 'workdir_ocr_table'),
                  help='checkpoints and evaluations.jsonl (keep it between sittings)')
   p.add_argument('--budget_minutes', type=float, default=0, help='stop after about this long (0: no limit)')
@@ -1186,6 +1199,8 @@ def parse_args(argv=None):
     args.levels = tuple(float(v) for v in args.levels.split(','))
   except ValueError:
     p.error(f'--levels must be comma-separated numbers, not {args.levels!r}')
+  if args.cells is None and not (args.report or args.rejudge):
+    args.cells = DEFAULT_CELLS
   if args.print_plan == 'shifted':
     try:
       args.knees = tuple(float(v) for v in args.knees.split(','))
@@ -1202,15 +1217,22 @@ def main(argv=None):
   if args.print_plan:
     print(shifted_plan(*args.knees) if args.print_plan == 'shifted' else PLANS[args.print_plan])
     return
-  cells = parse_cells(args.cells)
-  methods = list(dict.fromkeys(m for m, _ in cells))   # in the order of --cells
-  if args.contrast_reference is not None and args.contrast_reference not in methods:
-    raise SystemExit(f'--contrast_reference={args.contrast_reference!r} is not one of the --cells '
-                     f'methods: {methods}')
+
+  def checked(cells, what):
+    methods = list(dict.fromkeys(m for m, _ in cells))   # in the order of the cells
+    if args.contrast_reference is not None and args.contrast_reference not in methods:
+      raise SystemExit(f'--contrast_reference={args.contrast_reference!r} is not one of the {what} '
+                       f'methods: {methods}')
+    return cells, methods
+
+  # checked before the workdir is touched; a report without --cells reads every recorded cell
+  cells, methods = checked(parse_cells(args.cells), '--cells') if args.cells is not None else (None, None)
   parse_overrides(args.base)
   meta = dict(date=time.strftime('%Y-%m-%d'), machine=f'{platform.machine()} {os.cpu_count()} cores',
               command=' '.join(['python'] + sys.argv))
   runner = Runner(args, meta)
+  if cells is None:
+    cells, methods = checked(recorded_cells(runner.rows), 'recorded')
   if args.rejudge:
     print(f'rejudged {rejudge(runner)} rows', flush=True)
   elif not args.report:

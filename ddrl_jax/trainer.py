@@ -378,8 +378,10 @@ class Trainer:
     if abstract_frozen is not None:
       adapters = rules_lib.sharding_report(abstract_state.params, sh.params)
       trained = (f' (LoRA adapters: {adapters["total_bytes"] / 2**20:.2f} MiB trained, the base frozen)')
-    logger.info('sharding: mesh %s; parameters %.3f GiB per device of %.3f GiB (%.2f%% replicated)%s, '
-                'optimizer state %.3f GiB per device', dict(self.mesh.shape),
+    first = self.mesh.devices.flat[0]
+    logger.info('sharding: %d %s device(s) (%s); mesh %s; parameters %.3f GiB per device of %.3f GiB '
+                '(%.2f%% replicated)%s, optimizer state %.3f GiB per device', self.mesh.size,
+                first.platform, first.device_kind, dict(self.mesh.shape),
                 report['per_device_bytes'] / 2**30, report['total_bytes'] / 2**30,
                 100 * report['replicated_fraction'], trained, opt['per_device_bytes'] / 2**30)
     self.sharding_report = dict(params=report, opt_state=opt)

@@ -69,7 +69,8 @@ def test_a_resumed_run_logs_news_at_info_and_its_pace_leaves_out_the_first_itera
   _quick_iterations(trainer, first_s=1.0, then_s=0.01)
   metrics = trainer.train(progress=True)
   ours = [r for r in caplog.records if r.name.startswith('ddrl_jax')]
-  for words in ('resuming', 'num_iterations changed: 4 -> 10', 'sharding: mesh', 'throughput:',
+  for words in ('resuming', 'num_iterations changed: 4 -> 10', 'sharding: 1 cpu device(s) (cpu); mesh',
+                'throughput:',
                 'first iteration'):
     found = [r for r in ours if words in r.getMessage()]
     assert found and all(r.levelno == logging.INFO for r in found), (words, caplog.text)

@@ -74,3 +74,21 @@ def test_a_cpu_run_with_libtpu_installed_prints_no_tpu_errors():
   run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120, env=env)
   assert run.returncode == 0 and run.stdout.strip() in ('cpu', 'gpu'), run.stderr[-1000:]
   assert 'E0000' not in run.stderr and 'INVALID_ARGUMENT' not in run.stderr, run.stderr[-1000:]
+
+
+def test_compile_only_tpu_devices_on_a_cpu_host_print_nothing():
+  """aot's compile-only TPU devices load libtpu on a host without chips; named accelerator type and
+  worker (parallel/topology.py) keep libtpu's five INVALID_ARGUMENT lines off stderr."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec('libtpu') is None:
+    pytest.skip("needs libtpu: pip install -e '.[aot]'")
+  if xla_flags.host_platforms() is None:
+    pytest.skip('this host has a TPU')
+  env = {k: v for k, v in os.environ.items() if not k.startswith('TPU_')}
+  code = ('from ddrl_jax.parallel import topology; d = topology.topology_devices("v5p-8"); '
+          'print(len(d), d[0].platform)')
+  run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300, env=env)
+  assert run.returncode == 0 and run.stdout.split() == ['4', 'tpu'], run.stderr[-1000:]
+  assert run.stderr.strip() == '', run.stderr[-1000:]
