@@ -161,15 +161,24 @@ def network_passes(config, fn, remat):
   return grad * k
 
 
-def compile_report(config, topology, num_slices=1, fns=None, compiler_options=None, lower_only=False):
+def compile_report(config, topology, num_slices=1, fns=None, compiler_options=None, lower_only=False,
+                   devices=None, memory_bytes=None):
   """Compiles `fns` for `topology`; yields one dict per function (see the module docstring). fns: of
   ALL_FUNCTIONS; None: FUNCTIONS, and TEXT_ENCODER when the task runs a text encoder on the devices. With
-  `lower_only`, stops after lowering: fn, topology, mesh, attention, attention_family, lower_s."""
+  `lower_only`, stops after lowering: fn, topology, mesh, attention, attention_family, lower_s.
+  devices: compile for these (attached) devices instead of `topology` (the trainer's step-memory check),
+  each with `memory_bytes` of memory (None: unknown, no `fits`)."""
   # The config and the task are checked before libtpu loads: a mistake is one line, found in a second.
   task = tasks.get_task(config)
   task.require('aot')
-  config_lib.validate(config, topology_lib.num_devices(topology, num_slices))
-  devices = topology_lib.topology_devices(topology, num_slices)
+  if devices is None:
+    config_lib.validate(config, topology_lib.num_devices(topology, num_slices))
+    devices = topology_lib.topology_devices(topology, num_slices)
+    hbm = topology_lib.hbm_bytes(topology)
+  else:
+    config_lib.validate(config, len(devices))
+    topology = topology or f'{devices[0].platform}-{len(devices)}'
+    hbm = memory_bytes
   platform = devices[0].platform
   mesh = parallel.make_mesh(config.mesh, devices)
   family = task.family
@@ -213,7 +222,6 @@ def compile_report(config, topology, num_slices=1, fns=None, compiler_options=No
     raise config_lib.ConfigError(f'--fns={TEXT_ENCODER}: task {config.task!r} runs no text encoder on the '
                                  f'training devices with this config (none declared by its '
                                  f'{DEVICE_TEXT_ENCODER}())')
-  hbm = topology_lib.hbm_bytes(topology)
   fwd = task.forward_flops_per_sample()
   slots = config.batch_size * config.num_rollouts
   remat = family.remat_policy

@@ -316,6 +316,9 @@ class Trainer:
           f'config.lora.rank={self.lora.rank}: task {self.config.task!r} has no LoRA adapters (its model '
           'is not built from ddrl_jax.models.layers.Dense); use rank 0', 'lora.rank')
     abstract_state = self._plan_state(abstract_trained, abstract_frozen)
+    if (not read_only and self.mesh.devices.flat[0].platform != 'cpu'
+        and not self.config.get('skip_memory_check', False)):
+      self.check_step_memory()
     rep = self.plan.replicated()
     lora_on = self.lora.enabled
     # Restore onto this run's mesh and rules, whatever topology wrote the checkpoint (e.g. 8 devices -> 1):
@@ -410,6 +413,50 @@ class Trainer:
           f'{where} (mesh {dict(self.mesh.shape)})',
           'use more devices (a larger mesh.fsdp), LoRA (--config.lora.rank=...), a :smoke preset, or '
           '--config.skip_memory_check=True')
+
+  def check_step_memory(self, memory_bytes=None):
+    """Refuses, in one line and before anything is allocated, a config whose step functions do not fit
+    the devices: each is compiled for this run's devices (`ddrl_jax.aot.compile_report`: the same
+    programs the loop runs) and its peak (XLA's memory analysis: arguments, outputs and temporaries, plus
+    the state the trainer holds beside it) is set against the device's memory limit. Automatic on
+    accelerators (config.skip_memory_check turns it off); the result is kept in
+    <workdir>/memory_check.json per config, so a resumed run does not compile twice. Returns the rows."""
+    from ddrl_jax import aot  # pylint: disable=g-import-not-at-top  (aot imports this module)
+    local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+    have = memory_bytes or device_memory_bytes(local[0])
+    if not have:
+      logger.info('memory check: %s reports no memory limit; the step functions are not checked',
+                  local[0].device_kind)
+      return []
+    record = os.path.join(self.workdir, 'memory_check.json')
+    import hashlib  # pylint: disable=g-import-not-at-top
+    key = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+    key += f'/{self.mesh.size}/{have}'
+    if storage.exists(record):
+      saved = json.loads(storage.read_text(record))
+      if saved.get('key') == key:
+        return saved['rows']
+    t0 = time.perf_counter()
+    logger.info('memory check: compiling the step functions for the %d %s devices '
+                '(--config.skip_memory_check=True skips it)', self.mesh.size, local[0].device_kind)
+    rows = list(aot.compile_report(self.config, None, fns=aot.FUNCTIONS, devices=list(self.mesh.devices.flat),
+                                   memory_bytes=have))
+    over = [r for r in rows if not r.get('fits', True)]
+    if over:
+      worst = max(over, key=lambda r: r.get('peak_bytes', float('inf')))
+      need = ', '.join(f"{r['fn']} {r['peak_bytes'] / 2**30:.1f} GiB" if 'peak_bytes' in r else
+                       f"{r['fn']} out of memory ({r.get('error', '')[:80]})" for r in over)
+      raise MemoryCheckError(
+          f'the step does not fit: per device {need}, against {have / 2**30:.1f} GiB of '
+          f'{local[0].device_kind} memory (mesh {dict(self.mesh.shape)}; {worst["fn"]} is the largest)',
+          'use more devices (a larger mesh.fsdp or mesh.context), LoRA (--config.lora.rank=...), a smaller '
+          'batch_size or num_rollouts, a :smoke preset, or --config.skip_memory_check=True')
+    logger.info('memory check: peak %s per device of %.1f GiB (%.0f s)',
+                ', '.join(f"{r['fn']} {r['peak_bytes'] / 2**30:.2f} GiB" for r in rows), have / 2**30,
+                time.perf_counter() - t0)
+    if distributed.is_main_process():
+      storage.write_text(record, json.dumps(dict(key=key, rows=rows), indent=1))
+    return rows
 
   def _initial_params(self, key):
     """Initial parameters placed shard by shard (`Task.init_params_sharded`: random weights drawn under

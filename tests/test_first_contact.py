@@ -123,6 +123,35 @@ def test_a_train_state_larger_than_the_host_is_refused_before_building(tmp_path,
   assert 4 * params <= measured <= 4 * params + 4096, (measured, params)
 
 
+def test_a_step_that_does_not_fit_is_refused_by_its_compiled_memory(tmp_path):
+  """The step check compiles the loop's own functions for the run's devices (here 2 CPU devices):
+  its peaks are aot's for the same config and devices, a memory limit below the largest peak is refused
+  in one line naming each function over it, and the result is kept per config in the workdir."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import aot  # pylint: disable=g-import-not-at-top
+  config = sd35m.get_config('flow_grpo_smoke')
+  config.mesh.data = 2
+  devices = jax.devices()[:2]
+  trainer = trainer_lib.Trainer(config, str(tmp_path / 'run'), devices=devices)
+  trainer.restore_or_init()
+  rows = trainer.check_step_memory(memory_bytes=2**40)
+  assert [r['fn'] for r in rows] == list(aot.FUNCTIONS) and all(r['fits'] for r in rows)
+  reference = {r['fn']: r['peak_bytes'] for r in aot.compile_report(config, 'cpu-2')}
+  assert {r['fn']: r['peak_bytes'] for r in rows} == reference
+  assert os.path.exists(tmp_path / 'run' / 'memory_check.json')
+  largest = max(reference.values())
+  with pytest.raises(trainer_lib.MemoryCheckError) as e:
+    trainer.check_step_memory(memory_bytes=largest - 1)
+  assert 'the step does not fit: per device' in e.value.what and 'skip_memory_check' in e.value.fix
+  worst = max(reference, key=reference.get)
+  assert f'{worst} is the largest' in e.value.what
+  assert all((f'{fn} ' in e.value.what) == (peak > largest - 1) for fn, peak in reference.items())
+  # The same config and memory again (a resumed run): the kept rows, nothing compiled.
+  import unittest.mock  # pylint: disable=g-import-not-at-top
+  with unittest.mock.patch.object(aot, 'compile_report', side_effect=AssertionError('compiled again')):
+    assert trainer.check_step_memory(memory_bytes=2**40) == rows
+
+
 def test_a_config_the_task_cannot_be_built_from_is_validated_first(tmp_path):
   """A full preset with an unknown algorithm: validate's one line naming the key, not a traceback from
   the input check that would need the algorithm."""
