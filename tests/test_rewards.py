@@ -168,6 +168,19 @@ def test_pool_isolates_crash_hang_and_garbage_per_chunk():
     assert sum(again.failures.values()) == 0
 
 
+def test_pool_reports_a_chunk_still_scoring_at_least_every_wait_interval(monkeypatch, caplog):
+  """A hung worker is not silent until its chunk timeout: a 'still scoring' line every WAIT_LOG_S."""
+  import logging  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(pool_lib, 'WAIT_LOG_S', 0.5)
+  caplog.set_level(logging.WARNING, logger=pool_lib.__name__)
+  with rewards.WorkerPool({'debug_sleep': {'seconds': 30, 'trigger': 'slow'}}, 1, chunk_timeout_s=3.0) as pool:
+    result = pool.submit(IMAGES[:2], ['slow', 'slow'], chunk_size=2).result(60)
+  assert result.failures['timeout'] == 2
+  times = [r.created for r in caplog.records if 'still scoring a chunk of 2 sample(s)' in r.getMessage()]
+  assert len(times) >= 3, caplog.text                      # at ~0.5, 1, 1.5, ... s of a 3 s timeout
+  assert np.diff(times).max() < 1.5, np.diff(times)
+
+
 @pytest.mark.parametrize('kind, counted', [
     ('strings', 'non_numeric'), ('nested', 'wrong_length'), ('shape', 'wrong_length'), ('nan', 'nan'),
     ('inf', 'inf'), ('bool', 'bool'), ('huge', 'out_of_range'), ('huge64', 'out_of_range')])

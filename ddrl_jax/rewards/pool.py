@@ -30,6 +30,9 @@ from ddrl_jax.rewards import wire
 from ddrl_jax.rewards import worker as worker_lib
 
 logger = logging.getLogger(__name__)
+# A chunk still being scored is reported this often, so a hung worker is never silent for its whole
+# chunk timeout (120 s by default).
+WAIT_LOG_S = 10.0
 
 # Why a score entry (one sample's score of one reward) failed. The first four are about the worker (its
 # whole chunk fails); the rest judge each value where it arrives (`judge_scores`): a value that is not a
@@ -220,6 +223,7 @@ class _Worker:
   state: str = 'starting'             # 'starting' | 'idle' | 'busy'
   deadline: float = 0.0
   task: tuple = None                  # (job, slice) while busy
+  next_log: float = float('inf')      # when a busy worker's 'still scoring' line is due
 
 
 class WorkerPool:
@@ -347,6 +351,7 @@ class WorkerPool:
         return
       w.state, w.task = 'busy', (job, sl)
       w.deadline = time.monotonic() + self.chunk_timeout_s
+      w.next_log = time.monotonic() + WAIT_LOG_S
 
   def _receive(self, w):
     try:
@@ -386,6 +391,7 @@ class WorkerPool:
       self._dispatch()
       now = time.monotonic()
       busy = [w.deadline for w in self._workers if w.state != 'idle']
+      busy += [w.next_log for w in self._workers if w.state == 'busy']
       timeout = max(0.0, min(busy) - now) if busy else None
       ready = connection.wait([self._wake_r] + [w.inbox for w in self._workers], timeout)
       for obj in ready:
@@ -400,6 +406,12 @@ class WorkerPool:
       for w in [w for w in self._workers if w.state != 'idle' and w.deadline <= now]:
         limit = self.start_timeout_s if w.state == 'starting' else self.chunk_timeout_s
         self._replace(w, 'timeout', f'no reply within {limit} s (killed)')
+      for w in [w for w in self._workers if w.state == 'busy' and w.next_log <= now]:
+        started = w.deadline - self.chunk_timeout_s
+        logger.warning('reward worker pid %d: still scoring a chunk of %d sample(s) after %.0f s (killed at '
+                       '%.0f s, chunk_timeout_s)', w.proc.pid, len(w.task[0].samples[w.task[1]]),
+                       now - started, self.chunk_timeout_s)
+        w.next_log = now + WAIT_LOG_S
 
 
 class InlinePool:
