@@ -170,9 +170,9 @@ def _allow_shared_libtpu(accelerator_type):
   topology fails with 'ABORTED: Internal error when accessing libtpu multi-process lockfile' whenever any
   other JAX process runs. On a TPU host the lock guards the chips, so it is left alone there.
   """
-  if 'ALLOW_MULTIPLE_LIBTPU_LOAD' in os.environ or _host_has_tpu_chips():
+  if _host_has_tpu_chips():
     return
-  os.environ['ALLOW_MULTIPLE_LIBTPU_LOAD'] = '1'
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   # Without a TPU VM's metadata libtpu cannot tell the accelerator type or worker names and prints
   # five lines of INVALID_ARGUMENT noise before the first compile; naming them (the compile-only
   # topology is passed explicitly anyway) keeps a CPU host's aot output to its own lines.
