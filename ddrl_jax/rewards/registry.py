@@ -26,6 +26,17 @@ BUILTIN = {
     'vbench_aesthetic_quality': 'ddrl_jax.rewards.vbench:AestheticQuality',
     'vbench_imaging_quality': 'ddrl_jax.rewards.vbench:ImagingQuality',
     'cosmos_reason1': 'ddrl_jax.rewards.cosmos_reason1:CosmosReason1Reward',  # Reason1 P("No") (torch)
+    # CLIP-class image rewards (torch), at the scales of the references the paper and the field use.
+    'pickscore': 'ddrl_jax.rewards.clip_rewards:PickScore',              # PickScore_v1 / 26
+    'clipscore': 'ddrl_jax.rewards.clip_rewards:CLIPScore',              # CLIP L/14 cosine (DDRL Table 4)
+    'clipscore_flowgrpo': 'ddrl_jax.rewards.clip_rewards:CLIPScoreFlowGRPO',  # the same logits / 30
+    'laion_aesthetic': 'ddrl_jax.rewards.clip_rewards:LAIONAesthetic',   # LAION aesthetic v2 MLP on CLIP L/14
+    # UnifiedReward-7b-v1.5 behind an OpenAI-compatible server (sglang / vLLM): Final Score / 5.
+    'unified_reward': 'ddrl_jax.rewards.unified_reward:UnifiedReward',
+    # GenEval's rules on a detector's output (partial credit for training; correct / strict for evaluation).
+    'geneval': 'ddrl_jax.rewards.geneval:GenEvalReward',
+    'geneval_correct': 'ddrl_jax.rewards.geneval:GenEvalCorrect',
+    'geneval_strict': 'ddrl_jax.rewards.geneval:GenEvalStrictCorrect',
     'linear': 'ddrl_jax.rewards.basic:LinearReward',
     'temporal_smoothness': 'ddrl_jax.rewards.basic:TemporalSmoothness',
     'mean_intensity': 'ddrl_jax.rewards.basic:MeanIntensity',
@@ -42,6 +53,14 @@ INPUT_CHECKS = {
     'videoalign': 'ddrl_jax.rewards.videoalign:input_problems',
     'vbench': 'ddrl_jax.rewards.vbench:input_problems',
     'cosmos_reason1': 'ddrl_jax.rewards.cosmos_reason1:input_problems',
+    'pickscore': 'ddrl_jax.rewards.clip_rewards:pickscore_input_problems',
+    'clipscore': 'ddrl_jax.rewards.clip_rewards:clipscore_input_problems',
+    'clipscore_flowgrpo': 'ddrl_jax.rewards.clip_rewards:clipscore_flowgrpo_input_problems',
+    'laion_aesthetic': 'ddrl_jax.rewards.clip_rewards:aesthetic_input_problems',
+    'unified_reward': 'ddrl_jax.rewards.unified_reward:input_problems',
+    'geneval': 'ddrl_jax.rewards.geneval:input_problems',
+    'geneval_correct': 'ddrl_jax.rewards.geneval:input_problems',
+    'geneval_strict': 'ddrl_jax.rewards.geneval:input_problems',
 }
 
 # The range a valid score of each reward lies in, at the scale of the reference the wrapper reproduces;
@@ -56,6 +75,12 @@ SCORE_BOUNDS = {
     'vbench_aesthetic_quality': (0.0, 1.0), 'vbench_imaging_quality': (0.0, 1.0),   # /10 and /100
     'cosmos_reason1': (0.0, 1.0),                           # a probability
     'temporal_smoothness': (-1.0, 0.0), 'mean_intensity': (0.0, 1.0),
+    'pickscore': (-100 / 26, 100 / 26),                     # exp(logit_scale) <= 100 times a cosine, / 26
+    'clipscore': (-1.0, 1.0), 'clipscore_flowgrpo': (-100 / 30, 100 / 30),
+    'laion_aesthetic': (-10.0, 20.0),                       # a 1-10 rating scale, with margin (heuristic)
+    'unified_reward': (0.2, 1.0),                           # Final Score 1-5, / 5
+    'geneval': (-14.0, 1.0),                                # mean of count terms, down to 1 - 15 / 1
+    'geneval_correct': (0.0, 1.0), 'geneval_strict': (0.0, 1.0),
 }
 
 _REGISTERED = {}
