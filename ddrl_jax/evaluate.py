@@ -76,6 +76,7 @@ from ddrl_jax import tasks
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.rewards import ocr as ocr_reward
+from ddrl_jax.rewards import registry
 from ddrl_jax.rl import diffusion_loss
 from ddrl_jax.tasks import ocr as ocr_task
 from ddrl_jax.tasks import ocr_metrics
@@ -156,7 +157,8 @@ def heldout_diffusion_loss(task, apply_fn, params, num=128, seed=7):
 
 
 def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, seed=0,
-                 reference_stats=None, return_stats=False, judges=None, samples_path=None):
+                 reference_stats=None, return_stats=False, judges=None, samples_path=None,
+                 reward_judges=None):
   """The metrics of the module docstring and a (P, K) grid of images.
 
   reference_stats: (M, S) image statistics of another model's samples of the same prompts and seed
@@ -166,6 +168,8 @@ def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, se
   judges: {metric name: fn((M, H, W, 3) uint8 held-out samples) -> float} (e.g. tasks/ocr_judges.py's).
   samples_path: where to write the held-out samples and their texts (np.savez_compressed: images, texts),
   so judges can score them later (`load_samples`; benchmarks/ocr_table.py --rejudge).
+  reward_judges: {name: reward(images, prompts) -> (M,)} (registered rewards, e.g. clipscore, pickscore):
+  `judge/<name>` is their mean over the held-out samples with their prompts (`judge_columns`).
   """
   tesseract = ocr_reward.OCRReward(**dict(config.reward.kwargs.get('ocr', {})))
   rapid = ocr_reward.RapidOCRReward(**dict(config.reward.kwargs.get('ocr_rapid', {})))
@@ -213,6 +217,7 @@ def evaluate_ocr(config, apply_fn, params, task, *, prompts=64, per_prompt=4, se
     out['style_drift_from_reference'] = ocr_metrics.style_drift(gen_stats, reference_stats)
   for name, judge in (judges or {}).items():
     out[name] = float(judge(generated))
+  out.update(registry.judge_columns(reward_judges, generated, reward_prompts[:n_held]))
   if samples_path:
     save_samples(samples_path, generated, texts[:n_held])
   out.update({f'stat/{n}': float(v) for n, v in zip(ocr_metrics.STAT_NAMES, gen_stats.mean(0))})
@@ -243,7 +248,7 @@ def load_samples(path):
 def _define_flags():
   """Defined only when run as a script, so importing this module adds no global absl flags."""
   global _CONFIG, _CHECKPOINT, _EMA, _OUT, _PROMPTS, _PER_PROMPT
-  global _PROMPT_FILE, _BASELINE, _MAX_PROMPTS, _PER_CATEGORY, _JUDGES, _SEED, _BATCH
+  global _PROMPT_FILE, _BASELINE, _MAX_PROMPTS, _PER_CATEGORY, _JUDGES, _SEED, _BATCH, _TABLE
   _PROMPT_FILE = flags.DEFINE_string('prompt_file', '', 'Video: prompt file (default config.cosmos.'
                                      'eval_prompts): JSONL of prompt, category, optional first_frame.')
   _BASELINE = flags.DEFINE_string('baseline', '', "Video: a second model on the same seeds ('base', a "
@@ -251,12 +256,16 @@ def _define_flags():
   _MAX_PROMPTS = flags.DEFINE_integer('max_prompts', 0, 'Video: only the first this many prompts (0: all).')
   _PER_CATEGORY = flags.DEFINE_integer('videos_per_category', 2, 'Video: MP4s of this many prompts per '
                                        'category.')
-  _JUDGES = flags.DEFINE_list('judges', None, 'Video: rewards to score with (default '
+  _TABLE = flags.DEFINE_string('table', '', 'Images: write the Table 4 layout (checkpoint, OCR, each judge) '
+                               'of every --checkpoint here (markdown) and beside it as .json.')
+  _JUDGES = flags.DEFINE_list('judges', None, 'Rewards to score the samples with (images: e.g. '
+                              'clipscore,pickscore,imagereward, the paper\'s Table 4; video: default '
                               'config.cosmos.eval_rewards; kwargs from config.reward.kwargs).')
   _SEED = flags.DEFINE_integer('seed', 0, 'Video: sampling seed.')
   _BATCH = flags.DEFINE_integer('batch', 0, 'Video: prompts per sampling call (0: the data-parallel size).')
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'The OCR task config.')
-  _CHECKPOINT = flags.DEFINE_string('checkpoint', 'base', "'base', a trainer workdir or an export.")
+  _CHECKPOINT = flags.DEFINE_string('checkpoint', 'base', "'base', a trainer workdir or an export; images: "
+                                    'several, comma-separated, for one table (--table).')
   _EMA = flags.DEFINE_bool('ema', False, 'Use the EMA parameters of a trainer workdir.')
   _OUT = flags.DEFINE_string('out', None, 'JSONL file to append to.')
   _PROMPTS = flags.DEFINE_integer('prompts', 64, 'Held-out strings.')
@@ -267,7 +276,6 @@ def evaluation_inputs(config, judges, prompt_file):
   """One-line problems with what a video evaluation reads: the model's weights (as the task lists them,
   less the training records and the prompt file given here), the prompt file, the judges' files."""
   from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
-  from ddrl_jax.rewards import registry  # pylint: disable=g-import-not-at-top
   task = tasks.get_task(config)
   inputs = [i for i in task.required_inputs() if i.key not in ('data.path', 'cosmos.eval_prompts')]
   inputs.append(preflight.Input('cosmos.eval_prompts', prompt_file, 'the prompt file (--prompt_file)'))
@@ -285,7 +293,6 @@ def main_video(config, ckpt):
   from ddrl_jax.tasks import video_eval  # pylint: disable=g-import-not-at-top
   path = _PROMPT_FILE.value or config.cosmos.get('eval_prompts', '')
   judges = list(_JUDGES.value or config.cosmos.get('eval_rewards', ()))
-  from ddrl_jax.rewards import registry  # pylint: disable=g-import-not-at-top
   unknown = [j for j in judges if j not in registry.known_rewards()]
   if unknown:
     raise cli.UsageError(f'unknown judges {unknown} (--judges or config.cosmos.eval_rewards); known: '
@@ -334,11 +341,12 @@ def main_video(config, ckpt):
   return rows
 
 
-def evaluate_in_run_form(config, checkpoint, out=None):
+def evaluate_in_run_form(config, checkpoint, out=None, judges=None):
   """Any other task (SD3.5 and Wan OCR, the toy mixture, ...): the trainer's own evaluation (the fixed
   held-out conditions, the evaluation sampler, the task's metrics, of the parameters and of their EMA)
   at 'base' or at a trainer workdir's latest checkpoint. Appends one JSON row to `out` (default
-  <workdir>/evaluation.jsonl, or /tmp for 'base') and copies the sample grid beside it; returns the row."""
+  <workdir>/evaluation.jsonl, or /tmp for 'base') and copies the sample grid beside it; returns the row.
+  judges: {name: reward} scoring the evaluation's images with their prompts (`judge/<name>` columns)."""
   import shutil  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
   from ddrl_jax import storage  # pylint: disable=g-import-not-at-top
@@ -357,7 +365,7 @@ def evaluate_in_run_form(config, checkpoint, out=None):
     trainer._build()  # pylint: disable=protected-access  (the evaluation sampler and reward service)
     try:
       t0 = time.perf_counter()
-      metrics = trainer.evaluate(step)
+      metrics = trainer.evaluate(step, judges=judges)
     finally:
       trainer.close_rewards()
     out = out or os.path.join('/tmp' if is_base else checkpoint, 'evaluation.jsonl')
@@ -373,6 +381,55 @@ def evaluate_in_run_form(config, checkpoint, out=None):
   return row
 
 
+def image_judges(config, names):
+  """{name: reward} of registered rewards used as image judges, built from config.reward.kwargs; an
+  unknown name or a judge's missing files is one line."""
+  from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
+  unknown = [n for n in names if n not in registry.known_rewards()]
+  if unknown:
+    raise cli.UsageError(f'unknown judges {unknown}; known: {registry.known_rewards()}',
+                         'name registered rewards in --judges')
+  kwargs = config.reward.get('kwargs') or {}
+  problems = [p for n in names for p in registry.input_problems(n, dict(kwargs.get(n) or {}))]
+  if problems:
+    raise preflight.MissingInputs('the judges need inputs they were not given: ' + '; '.join(problems),
+                                  'set them with --config.reward.kwargs.<judge>.<key>=...')
+  return {n: registry.make_reward(n, **dict(kwargs.get(n) or {})) for n in names}
+
+
+def table4_markdown(rows, judges):
+  """The paper's Table 4 layout: one row per checkpoint, OCR then each judge's mean (the parameters'
+  evaluation; `eval_ema/` columns are in the JSON rows)."""
+  def value(row, key):
+    for k in (f'eval/{key}', key):
+      if k in row:
+        return row[k]
+    return float('nan')
+  ocr_key = 'ocr' if any('eval/ocr' in r for r in rows) else 'ocr_heldout'
+  head = ['checkpoint', 'step', 'OCR'] + list(judges)
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for row in rows:
+    cells = [str(row['checkpoint']), str(row.get('step', '-')), f'{value(row, ocr_key):.4f}']
+    cells += [f'{value(row, "judge/" + j):.4f}' for j in judges]
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def _evaluate_ocr_checkpoint(config, ckpt, out, judges):
+  task, apply_fn, params = load_params(config, ckpt, _EMA.value)
+  t0 = time.perf_counter()
+  metrics, grid = evaluate_ocr(config, apply_fn, params, task, prompts=_PROMPTS.value,
+                               per_prompt=_PER_PROMPT.value, reward_judges=judges)
+  out = out or os.path.join(ckpt if os.path.isdir(ckpt) else '/tmp', 'evaluation.jsonl')
+  row = dict(checkpoint=ckpt, ema=_EMA.value, seconds=time.perf_counter() - t0, **metrics)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out, 'a') as f:
+    f.write(json.dumps(row) + '\n')
+  image_grid.write_grid(os.path.splitext(out)[0] + f'_{len(open(out).readlines()):03d}.png', grid,
+                        columns=_PER_PROMPT.value)
+  return row
+
+
 def main(argv):
   del argv
   console.setup()
@@ -380,23 +437,25 @@ def main(argv):
   if config.task == 'video':
     main_video(config, ckpt)
     return
-  if config.task != 'ocr':
-    print(json.dumps(evaluate_in_run_form(config, ckpt, _OUT.value)))
-    return
   from ddrl_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  config_lib.validate(config, jax.device_count())
-  task, apply_fn, params = load_params(config, ckpt, _EMA.value)
-  t0 = time.perf_counter()
-  metrics, grid = evaluate_ocr(config, apply_fn, params, task, prompts=_PROMPTS.value,
-                               per_prompt=_PER_PROMPT.value)
-  out = _OUT.value or os.path.join(ckpt if os.path.isdir(ckpt) else '/tmp', 'evaluation.jsonl')
-  row = dict(checkpoint=ckpt, ema=_EMA.value, seconds=time.perf_counter() - t0, **metrics)
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out, 'a') as f:
-    f.write(json.dumps(row) + '\n')
-  image_grid.write_grid(os.path.splitext(out)[0] + f'_{len(open(out).readlines()):03d}.png', grid,
-                          columns=_PER_PROMPT.value)
-  print(json.dumps(row))
+  if config.task == 'ocr':
+    config_lib.validate(config, jax.device_count())
+  checkpoints = [c.strip() for c in ckpt.split(',') if c.strip()]
+  names = list(_JUDGES.value or ())
+  judges = image_judges(config, names) if names else None
+  rows = []
+  for which in checkpoints:
+    row = (_evaluate_ocr_checkpoint(config, which, _OUT.value, judges) if config.task == 'ocr' else
+           evaluate_in_run_form(config, which, _OUT.value, judges))
+    print(json.dumps(row))
+    rows.append(row)
+  if _TABLE.value:
+    os.makedirs(os.path.dirname(os.path.abspath(_TABLE.value)), exist_ok=True)
+    with open(_TABLE.value, 'w') as f:
+      f.write(table4_markdown(rows, names) + '\n')
+    with open(os.path.splitext(_TABLE.value)[0] + '.json', 'w') as f:
+      json.dump(rows, f, indent=1)
+    print(table4_markdown(rows, names))
 
 
 if __name__ == '__main__':

@@ -643,8 +643,11 @@ class Trainer:
       first.setdefault(shard, (seen, skipped))
     return float(sum(v[0] for v in first.values())), float(sum(v[1] for v in first.values()))
 
-  def evaluate(self, it):
+  def evaluate(self, it, judges=None):
     """Metrics of samples of the fixed evaluation conditions, the same on every process.
+
+    judges: {name: reward(media, prompts) -> (M,)} scoring the decoded samples with their prompts on each
+    row set's lead (`judge/<name>`, `judge/<name>_failed`; tasks with images or videos).
 
     Tasks whose metrics are means over samples (OCR, video) are evaluated per row set, each by its
     lead process on its own rows, and the metrics averaged across processes weighted by rows; tasks
@@ -677,6 +680,10 @@ class Trainer:
         kwargs = dict(score=self._reward_scorer()) if getattr(
             self.task, 'eval_scores_with_rewards', False) and split.is_lead else {}
         metrics = self.task.evaluate(mine, key, cond=my_cond, **kwargs) if split.is_lead else None
+        if judges and split.is_lead:
+          media, _ = self.task.reward_inputs(mine, my_cond)
+          prompts = self.task.prompts(my_cond)
+          metrics.update(rewards_lib.registry.judge_columns(judges, media, prompts))
         metrics = hosts.mean_over_leads(metrics, len(split.mine), split)
       out.update({f'{name}/{k}': v for k, v in metrics.items()})
       self.write_samples(name, it, samples, host_cond)

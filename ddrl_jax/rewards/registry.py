@@ -14,6 +14,8 @@ every worker).
 """
 import importlib
 
+import numpy as np
+
 BUILTIN = {
     'ocr': 'ddrl_jax.rewards.ocr:OCRReward',
     'ocr_rapid': 'ddrl_jax.rewards.ocr:RapidOCRReward',   # the same score read by RapidOCR (PP-OCRv4)
@@ -140,3 +142,15 @@ def score_bound(name, overrides=None):
     low, high = overrides[name]
     return float(low), float(high)
   return SCORE_BOUNDS.get(name, (-DEFAULT_BOUND, DEFAULT_BOUND))
+
+
+def judge_columns(judges, images, prompts):
+  """{'judge/<name>': mean score, 'judge/<name>_failed': NaN count} of registered rewards used as
+  evaluation judges (the paper's Table 4 scores OCR samples with ClipScore, PickScore, ImageReward)."""
+  out = {}
+  for name, judge in (judges or {}).items():
+    values = np.asarray(judge(np.asarray(images), list(prompts)), np.float64)
+    ok = np.isfinite(values)
+    out[f'judge/{name}'] = float(values[ok].mean()) if ok.any() else float('nan')
+    out[f'judge/{name}_failed'] = int((~ok).sum())
+  return out
