@@ -33,6 +33,7 @@ BUILTIN = {
     'clipscore': 'ddrl_jax.rewards.clip_rewards:CLIPScore',              # CLIP L/14 cosine (DDRL Table 4)
     'clipscore_flowgrpo': 'ddrl_jax.rewards.clip_rewards:CLIPScoreFlowGRPO',  # the same logits / 30
     'laion_aesthetic': 'ddrl_jax.rewards.clip_rewards:LAIONAesthetic',   # LAION aesthetic v2 MLP on CLIP L/14
+    'hpsv21': 'ddrl_jax.rewards.hps:HPSv21',      # HPSv2.1 (open_clip ViT-H-14 fine-tune): image . text cosine
     # UnifiedReward-7b-v1.5 behind an OpenAI-compatible server (sglang / vLLM): Final Score / 5.
     'unified_reward': 'ddrl_jax.rewards.unified_reward:UnifiedReward',
     # GenEval's rules on a detector's output (partial credit for training; correct / strict for evaluation).
@@ -59,6 +60,7 @@ INPUT_CHECKS = {
     'clipscore': 'ddrl_jax.rewards.clip_rewards:clipscore_input_problems',
     'clipscore_flowgrpo': 'ddrl_jax.rewards.clip_rewards:clipscore_flowgrpo_input_problems',
     'laion_aesthetic': 'ddrl_jax.rewards.clip_rewards:aesthetic_input_problems',
+    'hpsv21': 'ddrl_jax.rewards.hps:input_problems',
     'unified_reward': 'ddrl_jax.rewards.unified_reward:input_problems',
     'geneval': 'ddrl_jax.rewards.geneval:input_problems',
     'geneval_correct': 'ddrl_jax.rewards.geneval:input_problems',
@@ -80,6 +82,7 @@ SCORE_BOUNDS = {
     'pickscore': (-100 / 26, 100 / 26),                     # exp(logit_scale) <= 100 times a cosine, / 26
     'clipscore': (-1.0, 1.0), 'clipscore_flowgrpo': (-100 / 30, 100 / 30),
     'laion_aesthetic': (-10.0, 20.0),                       # a 1-10 rating scale, with margin (heuristic)
+    'hpsv21': (-1.0, 1.0),                                  # a cosine (no logit scale)
     'unified_reward': (0.2, 1.0),                           # Final Score 1-5, / 5
     'geneval': (-14.0, 1.0),                                # mean of count terms, down to 1 - 15 / 1
     'geneval_correct': (0.0, 1.0), 'geneval_strict': (0.0, 1.0),
