@@ -34,6 +34,11 @@ BUILTIN = {
     'clipscore_flowgrpo': 'ddrl_jax.rewards.clip_rewards:CLIPScoreFlowGRPO',  # the same logits / 30
     'laion_aesthetic': 'ddrl_jax.rewards.clip_rewards:LAIONAesthetic',   # LAION aesthetic v2 MLP on CLIP L/14
     'hpsv21': 'ddrl_jax.rewards.hps:HPSv21',      # HPSv2.1 (open_clip ViT-H-14 fine-tune): image . text cosine
+    # The CLIP-class rewards in JAX (Flax NNX, on JAX devices; parity with the torch ones above).
+    'pickscore_jax': 'ddrl_jax.rewards.clip_jax:PickScoreJax',
+    'clipscore_jax': 'ddrl_jax.rewards.clip_jax:CLIPScoreJax',
+    'clipscore_flowgrpo_jax': 'ddrl_jax.rewards.clip_jax:CLIPScoreFlowGRPOJax',
+    'laion_aesthetic_jax': 'ddrl_jax.rewards.clip_jax:LAIONAestheticJax',
     # UnifiedReward-7b-v1.5 behind an OpenAI-compatible server (sglang / vLLM): Final Score / 5.
     'unified_reward': 'ddrl_jax.rewards.unified_reward:UnifiedReward',
     # GenEval's rules on a detector's output (partial credit for training; correct / strict for evaluation).
@@ -61,6 +66,10 @@ INPUT_CHECKS = {
     'clipscore_flowgrpo': 'ddrl_jax.rewards.clip_rewards:clipscore_flowgrpo_input_problems',
     'laion_aesthetic': 'ddrl_jax.rewards.clip_rewards:aesthetic_input_problems',
     'hpsv21': 'ddrl_jax.rewards.hps:input_problems',
+    'pickscore_jax': 'ddrl_jax.rewards.clip_jax:pickscore_jax_input_problems',
+    'clipscore_jax': 'ddrl_jax.rewards.clip_jax:clipscore_jax_input_problems',
+    'clipscore_flowgrpo_jax': 'ddrl_jax.rewards.clip_jax:clipscore_flowgrpo_jax_input_problems',
+    'laion_aesthetic_jax': 'ddrl_jax.rewards.clip_jax:aesthetic_jax_input_problems',
     'unified_reward': 'ddrl_jax.rewards.unified_reward:input_problems',
     'geneval': 'ddrl_jax.rewards.geneval:input_problems',
     'geneval_correct': 'ddrl_jax.rewards.geneval:input_problems',
@@ -83,6 +92,8 @@ SCORE_BOUNDS = {
     'clipscore': (-1.0, 1.0), 'clipscore_flowgrpo': (-100 / 30, 100 / 30),
     'laion_aesthetic': (-10.0, 20.0),                       # a 1-10 rating scale, with margin (heuristic)
     'hpsv21': (-1.0, 1.0),                                  # a cosine (no logit scale)
+    'pickscore_jax': (-100 / 26, 100 / 26), 'clipscore_jax': (-1.0, 1.0),
+    'clipscore_flowgrpo_jax': (-100 / 30, 100 / 30), 'laion_aesthetic_jax': (-10.0, 20.0),
     'unified_reward': (0.2, 1.0),                           # Final Score 1-5, / 5
     'geneval': (-14.0, 1.0),                                # mean of count terms, down to 1 - 15 / 1
     'geneval_correct': (0.0, 1.0), 'geneval_strict': (0.0, 1.0),
