@@ -108,11 +108,13 @@ def get_config(arg='ddrl'):
   c.reward.fns = ml_collections.ConfigDict({'ocr': 1.0})
   c.reward.workers = 8
   c.reward.chunk_size = 16
-  # The paper's Table 4 judges of reward hacking (`evaluate --judges=clipscore,pickscore`): local Hugging
-  # Face folders of openai/clip-vit-large-patch14 and yuvalkirstain/PickScore_v1 (its processor:
-  # laion/CLIP-ViT-H-14-laion2B-s32B-b79K). Not trained on unless named in reward.fns.
+  # The paper's Table 4 judges of reward hacking (`evaluate --judges=clipscore,pickscore,imagereward`):
+  # local Hugging Face folders of openai/clip-vit-large-patch14 and yuvalkirstain/PickScore_v1 (its
+  # processor: laion/CLIP-ViT-H-14-laion2B-s32B-b79K), THUDM/ImageReward's ImageReward.pt and
+  # med_config.json with a bert-base-uncased tokenizer folder. Not trained on unless named in reward.fns.
   c.reward.kwargs.clipscore = ml_collections.ConfigDict(dict(checkpoint=''))
   c.reward.kwargs.pickscore = ml_collections.ConfigDict(dict(checkpoint='', processor=''))
+  c.reward.kwargs.imagereward = ml_collections.ConfigDict(dict(checkpoint='', med_config='', tokenizer=''))
 
   cfg_scale = 4.5 if preset == 'flow_grpo' else 1.0
   c.sd3 = ml_collections.ConfigDict(dict(

@@ -34,6 +34,7 @@ BUILTIN = {
     'clipscore_flowgrpo': 'ddrl_jax.rewards.clip_rewards:CLIPScoreFlowGRPO',  # the same logits / 30
     'laion_aesthetic': 'ddrl_jax.rewards.clip_rewards:LAIONAesthetic',   # LAION aesthetic v2 MLP on CLIP L/14
     'hpsv21': 'ddrl_jax.rewards.hps:HPSv21',      # HPSv2.1 (open_clip ViT-H-14 fine-tune): image . text cosine
+    'imagereward': 'ddrl_jax.rewards.imagereward:ImageReward',   # BLIP ViT-L + BERT cross-attention, z-scored
     # The CLIP-class rewards in JAX (Flax NNX, on JAX devices; parity with the torch ones above).
     'pickscore_jax': 'ddrl_jax.rewards.clip_jax:PickScoreJax',
     'clipscore_jax': 'ddrl_jax.rewards.clip_jax:CLIPScoreJax',
@@ -66,6 +67,7 @@ INPUT_CHECKS = {
     'clipscore_flowgrpo': 'ddrl_jax.rewards.clip_rewards:clipscore_flowgrpo_input_problems',
     'laion_aesthetic': 'ddrl_jax.rewards.clip_rewards:aesthetic_input_problems',
     'hpsv21': 'ddrl_jax.rewards.hps:input_problems',
+    'imagereward': 'ddrl_jax.rewards.imagereward:input_problems',
     'pickscore_jax': 'ddrl_jax.rewards.clip_jax:pickscore_jax_input_problems',
     'clipscore_jax': 'ddrl_jax.rewards.clip_jax:clipscore_jax_input_problems',
     'clipscore_flowgrpo_jax': 'ddrl_jax.rewards.clip_jax:clipscore_flowgrpo_jax_input_problems',
@@ -92,6 +94,7 @@ SCORE_BOUNDS = {
     'clipscore': (-1.0, 1.0), 'clipscore_flowgrpo': (-100 / 30, 100 / 30),
     'laion_aesthetic': (-10.0, 20.0),                       # a 1-10 rating scale, with margin (heuristic)
     'hpsv21': (-1.0, 1.0),                                  # a cosine (no logit scale)
+    'imagereward': (-10.0, 10.0),                           # z-scored, typically within [-3, 3] (heuristic)
     'pickscore_jax': (-100 / 26, 100 / 26), 'clipscore_jax': (-1.0, 1.0),
     'clipscore_flowgrpo_jax': (-100 / 30, 100 / 30), 'laion_aesthetic_jax': (-10.0, 20.0),
     'unified_reward': (0.2, 1.0),                           # Final Score 1-5, / 5
