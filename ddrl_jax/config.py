@@ -54,6 +54,10 @@ def validate(config, num_devices):
   _check(config.eval_samples >= 1, 'eval_samples', config.eval_samples, 'must be >= 1')
   _check(config.eval_videos >= 0, 'eval_videos', config.eval_videos, 'must be >= 0 (0: no MP4s)')
   _check(config.eval_video_fps > 0, 'eval_video_fps', config.eval_video_fps, 'must be > 0')
+  if 'reward' in config and 'fns' in config.reward:
+    from ddrl_jax.rewards import service as reward_service  # pylint: disable=g-import-not-at-top
+    problem = reward_service.in_process_problem(config.reward)
+    _check(not problem, 'reward.workers', config.reward.get('workers'), problem)
   if 'data' in config:
     base_samples = config.data.get('base_samples', 0)
     _check(isinstance(base_samples, int) and base_samples >= 0, 'data.base_samples', base_samples,

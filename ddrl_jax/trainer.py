@@ -493,9 +493,15 @@ class Trainer:
                 self.mesh.devices.flat[0].device_kind, dtype,
                 f'{self.peak_flops:.4g} FLOP/s' if self.peak_flops else 'unknown (no mfu metric)')
     if self.rewards is None and self.layout.slots.is_lead:   # replica hosts' rows are scored by their lead
-      self.rewards = rewards_lib.make_reward_service(self.config.reward)
+      self.rewards = rewards_lib.make_reward_service(self.config.reward, mesh=self.reward_mesh())
       if hasattr(self.rewards, 'check'):
         self.rewards.check()
+
+  def reward_mesh(self):
+    """The mesh in-process JAX rewards run on: this process's devices on one 'data' axis (each row set's
+    lead scores its own rows, so a reward must not need the other processes)."""
+    local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+    return jax.sharding.Mesh(np.asarray(local), ('data',))
 
   def event(self, name, **info):
     """Records a named point of the current iteration (and calls the hooks, e.g. a test's)."""
@@ -693,7 +699,7 @@ class Trainer:
     """fn(media, prompts) -> {reward name: (M,) scores}: the run's rewards (config.reward.fns) through its
     reward service, NaN where a sample could not be scored (for tasks with `eval_scores_with_rewards`)."""
     if self.rewards is None:
-      self.rewards = rewards_lib.make_reward_service(self.config.reward)
+      self.rewards = rewards_lib.make_reward_service(self.config.reward, mesh=self.reward_mesh())
     names = list(self.config.reward.fns)
 
     def score(media, prompts):

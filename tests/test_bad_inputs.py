@@ -98,6 +98,8 @@ VALIDATE = [
     ('ddrl', {'reward.timeout_s': 0.0}, 'config.reward.timeout_s=0.0: timeouts must be > 0'),
     ('ddrl', {'reward.chunk_timeout_s': 0.0}, 'timeouts must be > 0'),
     ('ddrl', {'reward.max_failed_batches': 0}, 'config.reward.max_failed_batches=0: must be >= 1'),
+    ('ddrl', {'reward.fns': fns(clipscore_jax=1.0), 'reward.workers': 2},
+     "config.reward.workers=2: ['clipscore_jax'] run JAX on the trainer's devices, in its process"),
     ('ddrl_exact', {'reward.fns': fns(linear=1.0, mean_intensity=1.0)},
      "the exact tilt transform needs one reward or combine='weighted_sum'"),
     ('ddrl', {'mesh.fsdp': 3}, 'config.mesh'),

@@ -385,3 +385,29 @@ def test_bad_calls_and_input_problems(tiny, rewards, tmp_path):
     if name in registry.BUILTIN:
       assert registry.BUILTIN[name] == target
       assert registry.INPUT_CHECKS.get(name) == f'{module}:{CHECKS[name]}'
+
+
+def test_the_local_service_hands_its_mesh_to_in_process_jax_rewards(tiny):
+  """reward.workers = 0: the JAX reward is built in this process on the mesh the trainer gives (its own
+  devices), and a chunk that does not divide the devices is scored whole (padded)."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from ddrl_jax.rewards import service  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ('data',))
+  config = ml_collections.ConfigDict(dict(
+      fns={'clipscore_jax': 1.0}, kwargs={'clipscore_jax': {'checkpoint': tiny['checkpoint']}},
+      combine='weighted_sum', imports=(), backend='local', workers=0, chunk_size=6, chunk_timeout_s=60.0,
+      timeout_s=120.0, bounds={}))
+  svc = service.make_reward_service(config, mesh=mesh)
+  try:
+    reward = svc.pool.rewards['clipscore_jax']
+    assert reward.mesh is mesh
+    images = np.random.RandomState(0).randint(0, 255, (6, 40, 57, 3), dtype=np.uint8)
+    prompts = [f'a photo of {i}' for i in range(6)]
+    got = svc.submit(images, prompts).result().scores['clipscore_jax']
+    want = cj.CLIPScoreJax(checkpoint=tiny['checkpoint'])(images, prompts)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+  finally:
+    svc.close()
+  config.workers = 2
+  with pytest.raises(ValueError, match="run JAX on the trainer's devices"):
+    service.make_reward_service(config, mesh=mesh)

@@ -20,6 +20,7 @@ def test_sd3_smoke_trains_on_ocr_and_clipscore_weighted(judge, tmp_path):
   config.reward.combine = 'weighted_sum'        # FlowGRPO's multi-reward form
   config.reward.workers = 0                     # in this process: the JAX reward shares the devices
   trainer = trainer_lib.Trainer(config, str(tmp_path / 'run'), devices=jax.devices()[:1])
+  assert list(trainer.reward_mesh().devices.flat) == jax.devices()[:1]     # the JAX reward's devices
   trainer.train(progress=False)
   rows = [r for r in metrics_lib.read_metrics(tmp_path / 'run') if 'loss' in r]
   assert len(rows) == config.num_iterations

@@ -417,9 +417,12 @@ class WorkerPool:
 class InlinePool:
   """The WorkerPool interface scored in one background thread of this process (no isolation)."""
 
-  def __init__(self, specs, *, imports=()):
+  def __init__(self, specs, *, imports=(), extra_kwargs=None):
+    """extra_kwargs: {name: kwargs} added when building those rewards (objects a config cannot hold,
+    e.g. the trainer's device mesh for in-process JAX rewards)."""
     self.specs = {n: dict(kw or {}) for n, kw in specs.items()}
-    self.rewards = worker_lib.build_rewards(self.specs, list(imports))
+    built = {n: dict(kw, **(extra_kwargs or {}).get(n, {})) for n, kw in self.specs.items()}
+    self.rewards = worker_lib.build_rewards(built, list(imports))
     self.stats = collections.Counter()
 
   def submit(self, samples, prompts, names=None, chunk_size=16, bounds=None):

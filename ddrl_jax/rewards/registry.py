@@ -56,6 +56,10 @@ BUILTIN = {
     'debug_gate': 'ddrl_jax.rewards.debug:Gate',
 }
 
+# Rewards that run JAX on the trainer's own devices: built in the trainer's process (config.reward.workers
+# = 0, the local backend), given a mesh of this process's devices (`mesh=`, batch over its 'data' axis).
+IN_PROCESS = ('pickscore_jax', 'clipscore_jax', 'clipscore_flowgrpo_jax', 'laion_aesthetic_jax')
+
 # What each reward with files needs, checked before a run builds anything (ddrl_jax.preflight):
 # module:function(kwargs) -> list of one-line problems.
 INPUT_CHECKS = {

@@ -80,7 +80,7 @@ class LocalRewardService:
   """Rewards scored on this host by a worker pool (or inline), asynchronously."""
 
   def __init__(self, spec, *, workers=2, chunk_size=16, chunk_timeout_s=120.0,
-               result_timeout_s=600.0):
+               result_timeout_s=600.0, mesh=None):
     self.spec = spec
     self.chunk_size = chunk_size
     self.result_timeout_s = result_timeout_s
@@ -88,7 +88,8 @@ class LocalRewardService:
       self.pool = pool_lib.WorkerPool(spec.kwargs, workers, chunk_timeout_s=chunk_timeout_s,
                                       imports=spec.imports)
     else:
-      self.pool = pool_lib.InlinePool(spec.kwargs, imports=spec.imports)
+      extra = {n: {'mesh': mesh} for n in spec.names if n in registry.IN_PROCESS and mesh is not None}
+      self.pool = pool_lib.InlinePool(spec.kwargs, imports=spec.imports, extra_kwargs=extra)
 
   def submit(self, samples, prompts):
     return _Pending(self.pool.submit(samples, prompts, self.spec.names, self.chunk_size,
@@ -111,13 +112,28 @@ class _Pending:
     return self.job.result(self.timeout)
 
 
-def make_reward_service(reward_config):
-  """A `LocalRewardService` or `RedisRewardClient` from ``config.reward``."""
+def in_process_problem(reward_config):
+  """'' or one line: JAX rewards (registry.IN_PROCESS) run in the trainer's process on its devices, so
+  they need the local backend with reward.workers = 0."""
+  names = [n for n in reward_config.fns if n in registry.IN_PROCESS]
+  if names and (reward_config.get('backend', 'local') != 'local' or reward_config.get('workers', 0) > 0):
+    return (f'{names} run JAX on the trainer\'s devices, in its process: set config.reward.backend=local '
+            f'and config.reward.workers=0 (or use the PyTorch rewards of the same name without _jax '
+            'in reward workers)')
+  return ''
+
+
+def make_reward_service(reward_config, mesh=None):
+  """A `LocalRewardService` or `RedisRewardClient` from ``config.reward``. mesh: the devices in-process
+  JAX rewards (registry.IN_PROCESS) run on (this process's devices)."""
   spec = RewardSpec.from_config(reward_config)
   c = reward_config
+  problem = in_process_problem(c)
+  if problem:
+    raise ValueError(problem)
   if c.backend == 'local':
     return LocalRewardService(spec, workers=c.workers, chunk_size=c.chunk_size,
-                              chunk_timeout_s=c.chunk_timeout_s, result_timeout_s=c.timeout_s)
+                              chunk_timeout_s=c.chunk_timeout_s, result_timeout_s=c.timeout_s, mesh=mesh)
   if c.backend == 'redis':
     from ddrl_jax.rewards import redis_backend  # pylint: disable=g-import-not-at-top
     token = os.environ.get(c.token_env, '')
