@@ -335,8 +335,8 @@ def test_export_cli_writes_adapters_and_merged_weights(lora_runs, tmp_path):
     export_lora.export(full, root / 'straight', str(tmp_path / 'x'))
   assert 'trained LoRA adapters (rank 4, alpha 8' in e.value.what and '--config.lora.rank=4' in e.value.fix
   assert not os.path.exists(tmp_path / 'x')
-  os.makedirs(tmp_path / 'empty')     # no checkpoints at all: the full-fine-tuning answer
-  with pytest.raises(cli.UsageError, match='no adapters'):
+  os.makedirs(tmp_path / 'empty')     # no checkpoints at all: not a run (before anything is read)
+  with pytest.raises(cli.UsageError, match='no training run there'):
     export_lora.export(full, tmp_path / 'empty', str(tmp_path / 'x'))
 
 
