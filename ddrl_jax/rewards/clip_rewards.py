@@ -458,20 +458,27 @@ class _ClipReward:
     raise NotImplementedError
 
   def __call__(self, samples, prompts):
-    import torch  # pylint: disable=g-import-not-at-top
-    samples = check_images(samples, prompts, self.reward, self.prompts_optional)
+    return score_images(self.raw, samples, prompts, self.reward, self.batch_size, self.prompts_optional)
 
-    def score(which):
-      with torch.inference_mode():
-        out = self.raw(samples[list(which)], None if prompts is None else [prompts[i] for i in which])
-      return out.float().cpu().numpy().reshape(-1, 1)
 
-    def warn(i, e):
-      logger.warning('%s: image %d could not be scored, its reward is NaN (%s)', self.reward, i,
-                     video_common.describe(e))
+def score_images(raw, samples, prompts, reward, batch_size, prompts_optional=False):
+  """(M,) float32 scores of a torch reward's `raw(images (B, H, W, 3) uint8, prompts) -> (B,) tensor`,
+  in batches under inference mode: a batch that fails is retried image by image, and an image that still
+  fails, or scores non-finite, is NaN with a warning (shared by the image rewards)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  samples = check_images(samples, prompts, reward, prompts_optional)
 
-    out = video_common.score_batches(samples.shape[0], self.batch_size, 1, score, warn)
-    return finite_or_nan(out[:, 0], self.reward)
+  def score(which):
+    with torch.inference_mode():
+      out = raw(samples[list(which)], None if prompts is None else [prompts[i] for i in which])
+    return out.float().cpu().numpy().reshape(-1, 1)
+
+  def warn(i, e):
+    logger.warning('%s: image %d could not be scored, its reward is NaN (%s)', reward, i,
+                   video_common.describe(e))
+
+  out = video_common.score_batches(samples.shape[0], batch_size, 1, score, warn)
+  return finite_or_nan(out[:, 0], reward)
 
 
 class PickScore(_ClipReward):

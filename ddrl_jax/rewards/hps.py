@@ -59,7 +59,6 @@ never at module import. Pip: torch, openai-clip==1.0.1 (no torchvision, no open-
 import contextlib
 import copy
 import importlib.util
-import logging
 import math
 import os
 
@@ -68,7 +67,6 @@ import numpy as np
 from ddrl_jax.rewards import clip_rewards
 from ddrl_jax.rewards import video_common
 
-logger = logging.getLogger(__name__)
 
 REWARD = 'hpsv21'
 CHECKPOINT_HINT = 'HPS_v2.1_compressed.pt of xswu/HPSv2'
@@ -451,20 +449,7 @@ class HPSv21:
     return (image * text).sum(-1)
 
   def __call__(self, samples, prompts):
-    import torch  # pylint: disable=g-import-not-at-top
-    samples = clip_rewards.check_images(samples, prompts, REWARD)
-
-    def score(which):
-      with torch.inference_mode():
-        out = self.raw(samples[list(which)], [prompts[i] for i in which])
-      return out.float().cpu().numpy().reshape(-1, 1)
-
-    def warn(i, e):
-      logger.warning('%s: image %d could not be scored, its reward is NaN (%s)', REWARD, i,
-                     video_common.describe(e))
-
-    out = video_common.score_batches(samples.shape[0], self.batch_size, 1, score, warn)
-    return clip_rewards.finite_or_nan(out[:, 0], REWARD)
+    return clip_rewards.score_images(self.raw, samples, prompts, REWARD, self.batch_size)
 
 
 # ------------------------------------------------------------------------------------------ tiny models

@@ -493,20 +493,7 @@ class ImageReward:
     return self.model.head(features)
 
   def __call__(self, samples, prompts):
-    import torch  # pylint: disable=g-import-not-at-top
-    samples = clip_rewards.check_images(samples, prompts, REWARD)
-
-    def score(which):
-      with torch.inference_mode():
-        out = self.raw(samples[list(which)], [prompts[i] for i in which])
-      return out.float().cpu().numpy().reshape(-1, 1)
-
-    def warn(i, e):
-      logger.warning('%s: image %d could not be scored, its reward is NaN (%s)', REWARD, i,
-                     video_common.describe(e))
-
-    out = video_common.score_batches(samples.shape[0], self.batch_size, 1, score, warn)
-    return clip_rewards.finite_or_nan(out[:, 0], REWARD)
+    return clip_rewards.score_images(self.raw, samples, prompts, REWARD, self.batch_size)
 
 
 # ------------------------------------------------------------------------------------------ tiny models
