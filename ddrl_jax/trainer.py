@@ -272,9 +272,9 @@ class Trainer:
     c = self.config
     out = self.base_samples_dir
     if start > 0:
-      raise ValueError(f'{out}: the base samples this run trains on are incomplete or gone (no '
-                       f'manifest.json), and the model at step {start} is no longer the base; restore them, '
-                       'or set config.data.path to a copy, or start a new workdir')
+      raise cli.UsageError(f'{out}: the base samples this run trains on are incomplete or gone (no '
+                           f'manifest.json), and the model at step {start} is no longer the base',
+                           'restore them, or set config.data.path to a copy, or start a new workdir')
     self.task.require('records')
     sampler = make_eval_sampler(c)
     sample_fn = make_sample_fn(sampler, self.apply_fn, self.task.sample_shape, self.mesh,

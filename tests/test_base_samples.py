@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_trainer import small_config  # tests/test_trainer.py
 
+from ddrl_jax import cli
 from ddrl_jax import config as config_lib
 from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import trainer as trainer_lib
@@ -120,7 +121,7 @@ def test_base_samples_gone_after_training_started_is_one_clear_error(tmp_path):
   run = tmp_path / 'run'
   trainer_lib.Trainer(c, run).train(progress=False)
   os.remove(run / 'base_samples' / records_lib.MANIFEST)
-  with pytest.raises(ValueError, match='no longer the base'):
+  with pytest.raises(cli.UsageError, match='no longer the base'):     # one line from the CLI
     trainer_lib.Trainer(c, run).train(progress=False)
 
 
