@@ -293,10 +293,7 @@ def main_video(config, ckpt):
   from ddrl_jax.tasks import video_eval  # pylint: disable=g-import-not-at-top
   path = _PROMPT_FILE.value or config.cosmos.get('eval_prompts', '')
   judges = list(_JUDGES.value or config.cosmos.get('eval_rewards', ()))
-  unknown = [j for j in judges if j not in registry.known_rewards()]
-  if unknown:
-    raise cli.UsageError(f'unknown judges {unknown} (--judges or config.cosmos.eval_rewards); known: '
-                         f'{registry.known_rewards()}', 'name registered rewards')
+  check_judge_names(judges, '--judges or config.cosmos.eval_rewards')
   found = evaluation_inputs(config, judges, path)
   if found:
     raise cli.UsageError('the evaluation needs inputs it was not given: ' + '; '.join(found),
@@ -381,14 +378,19 @@ def evaluate_in_run_form(config, checkpoint, out=None, judges=None):
   return row
 
 
+def check_judge_names(names, where):
+  """One line naming the judges that are not registered rewards."""
+  unknown = [n for n in names if n not in registry.known_rewards()]
+  if unknown:
+    raise cli.UsageError(f'unknown judges {unknown} ({where}); known: {registry.known_rewards()}',
+                         'name registered rewards')
+
+
 def image_judges(config, names):
   """{name: reward} of registered rewards used as image judges, built from config.reward.kwargs; an
   unknown name or a judge's missing files is one line."""
   from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
-  unknown = [n for n in names if n not in registry.known_rewards()]
-  if unknown:
-    raise cli.UsageError(f'unknown judges {unknown}; known: {registry.known_rewards()}',
-                         'name registered rewards in --judges')
+  check_judge_names(names, '--judges')
   kwargs = config.reward.get('kwargs') or {}
   problems = [p for n in names for p in registry.input_problems(n, dict(kwargs.get(n) or {}))]
   if problems:
