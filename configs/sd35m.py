@@ -25,6 +25,13 @@ Presets, each following one public recipe (the rest of the keys are shared below
                  gaussian init on attn.{to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out}.
   diffusion_nft: NVlabs/DiffusionNFT config/nft.py `sd3_ocr` (ddrl_jax/rl/nft.py; configs/common.py's
                  preset has its keys): CFG-free (guidance 1 in rollouts and evaluation), the same sizes.
+  flow_grpo_pickscore, flow_grpo_geneval: FlowGRPO config/grpo.py `pickscore_sd3` / `geneval_sd3`: the
+                 flow_grpo preset with the PickScore reward and KL beta 0.01 / the GenEval reward (its
+                 rules on a detector given as config.reward.kwargs.geneval.detector) and 0.04; their
+                 prompt sets do not ship here (config.sd3.prompts is a required input).
+  ddrl_pickscore, ddrl_geneval: the ddrl preset on the same rewards and prompts (the data term on the
+                 base's own samples of them). These presets also evaluate with their reward
+                 (eval/reward/<name>) beside the OCR columns.
 CFG policy per preset: config.sd3.guidance_rollout (rollouts and the policy gradient, which re-evaluates
 the rollouts' own conditions), config.sd3.guidance_eval (evaluation). Differences from the references:
 one rollout batch per optimizer step (FlowGRPO: 2 optimizer steps per 1152-sample epoch), our power EMA
@@ -39,7 +46,17 @@ import ml_collections
 
 from configs import common
 
-PRESETS = ('ddrl', 'flow_grpo', 'diffusion_nft')
+PRESETS = ('ddrl', 'flow_grpo', 'diffusion_nft', 'flow_grpo_pickscore', 'ddrl_pickscore',
+           'flow_grpo_geneval', 'ddrl_geneval')
+# Image-reward recipes: FlowGRPO's config/grpo.py `pickscore_sd3` and `geneval_sd3` keep general_ocr_sd3's
+# shape (10 / 40 steps, guidance 4.5, group 24, clip 1e-4, noise 0.7) with another reward, prompt set and
+# KL beta (0.01 for PickScore, 0.04 for GenEval). Neither prompt set ships here: users give the file.
+IMAGE_REWARDS = {
+    'pickscore': dict(kl_beta=0.01, prompts="flow_grpo's dataset/pickscore/train.txt (Pick-a-Pic v1 "
+                      'captions, one a line; its README recommends dataset/pickscore_sfw)'),
+    'geneval': dict(kl_beta=0.04, prompts="GenEval's training prompts, one a line, each with a row in "
+                    'config.reward.kwargs.geneval.metadata_file'),
+}
 # flow_grpo's LoRA targets (scripts/train_sd3.py) as module paths of models/sd3/mmdit.py: the joint
 # attention of every block, not the dual blocks' image-only attn2 (no public recipe adapts it).
 LORA_TARGETS = (r'(dual_blocks|joint_blocks|last_block)\.attn\.'
@@ -57,7 +74,9 @@ def _split(arg):
 
 
 def get_config(arg='ddrl'):
-  preset, smoke = _split(arg)
+  name, smoke = _split(arg)
+  reward = next((r for r in IMAGE_REWARDS if name.endswith('_' + r)), 'ocr')
+  preset = name[:-len(reward) - 1] if reward != 'ocr' else name
   c = common.base_config()
   c.task = 'sd3_ocr'
   common.use_family_rules(c, 'sd3')
@@ -138,6 +157,8 @@ def get_config(arg='ddrl'):
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
 
   c.require_inputs = True           # converted weights (and DDRL's records) or a one-line stop
+  if reward != 'ocr':
+    _use_image_reward(c, preset, reward)
   if smoke:
     common.shrink_for_smoke(c, preset)
     sd = c.sd3
@@ -152,7 +173,23 @@ def get_config(arg='ddrl'):
     sd.vae_batch = 4
     sd.dit_overrides = ml_collections.ConfigDict(dict(in_channels=16, out_channels=16, sample_size=8,
                                                       **_tiny_text_dims()))
+    if reward != 'ocr':
+      sd.prompts_required = False   # any prompts do at toy size: the shipped OCR ones
   return c
+
+
+def _use_image_reward(c, preset, reward):
+  """FlowGRPO's PickScore / GenEval recipe on the OCR recipe's shape (IMAGE_REWARDS), for FlowGRPO and
+  for DDRL (its data term on the base's own samples of the new prompts). The SD3 task's evaluation scores
+  the held-out prompts with the run's rewards (reward/<name>) beside its OCR columns."""
+  recipe = IMAGE_REWARDS[reward]
+  c.reward.fns = ml_collections.ConfigDict({reward: 1.0})
+  if reward == 'geneval':
+    c.reward.kwargs.geneval = ml_collections.ConfigDict(dict(metadata_file='', detector=''))
+  if preset == 'flow_grpo':
+    c.rl.kl_beta = recipe['kl_beta']
+  c.sd3.prompts_required = True
+  c.sd3.prompts_source = recipe['prompts']
 
 
 def _tiny_text_dims():

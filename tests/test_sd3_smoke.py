@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ------------------------------------------------------------------------------------------ recipes
 def test_presets_carry_their_recipes():
-  ddrl, grpo, nft = (sd35m.get_config(p) for p in sd35m.PRESETS)
+  ddrl, grpo, nft = (sd35m.get_config(p) for p in ('ddrl', 'flow_grpo', 'diffusion_nft'))
   assert (ddrl.algorithm, grpo.algorithm, nft.algorithm) == ('ddrl', 'flow_grpo', 'diffusion_nft')
   # CFG policy: FlowGRPO guides rollouts, the policy gradient and evaluation at 4.5; DDRL and NFT never.
   assert (grpo.sd3.guidance_rollout, grpo.sd3.guidance_eval) == (4.5, 4.5)

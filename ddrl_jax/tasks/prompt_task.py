@@ -116,6 +116,9 @@ class PromptTask(base.FamilyTask):
                            '--out=<dir>'),
            preflight.Input(f'{sec}.{self.TEXT_ENCODER_KEY}', c.get(self.TEXT_ENCODER_KEY, ''),
                            'the text encoders', f'{src} (its text encoder and tokenizer folders)')]
+    if c.get('prompts_required', False):     # a recipe whose prompt set does not ship with the project
+      out.append(preflight.Input(f'{sec}.prompts', c.prompts, 'the training prompts',
+                                 c.get('prompts_source', 'a file of prompts, one a line')))
     algo = rl_algorithms.get_algorithm(self.config.algorithm)
     if algo.uses_data and self.config.rl.data_beta > 0 and not self.config.data.get('base_samples', 0):
       out.append(preflight.Input('data.path', self.config.data.path, "the data term's records (the base's "

@@ -23,6 +23,8 @@ Data: DDRL's data term reads records (config.data.path), e.g. the base model's o
 `python -m ddrl_jax.data.synthesize` (the paper's Table 4 regularizes SD3.5-M with them), or real images
 encoded by `python -m ddrl_jax.data.prepare`; records may carry the text and pooled embeddings.
 """
+import numpy as np
+
 from ddrl_jax.models.sd3 import family as sd3_family
 from ddrl_jax.models.sd3 import vae as sd3_vae
 from ddrl_jax.tasks import ocr as ocr_task
@@ -111,13 +113,27 @@ class SD3OCR(prompt_task.PromptTask):
     return (1, self.c.resolution, self.c.resolution, 3)
 
   # -------------------------------------------------------------------- evaluation
-  def evaluate(self, samples, key, cond=None):
-    """OCR accuracy (Tesseract and RapidOCR) of the decoded samples of the held-out prompts."""
+  @property
+  def eval_scores_with_rewards(self):
+    """A run training on rewards other than OCR (the PickScore / GenEval presets) is also evaluated by
+    them: the trainer passes `evaluate` a scorer of the run's rewards."""
+    return set(self.config.reward.fns) != {'ocr'}
+
+  def evaluate(self, samples, key, cond=None, score=None):
+    """OCR accuracy (Tesseract and RapidOCR) of the decoded samples of the held-out prompts; with `score`
+    (fn(images, prompts) -> {reward: (M,)}), also reward/<name>: the mean of each of the run's rewards
+    over the finite samples it could score."""
     del key
     images, finite = self.decode(samples)
     if cond is None:
       return dict(finite_fraction=float(finite.mean()))
-    return self.ocr_metrics(images, finite, cond)
+    out = self.ocr_metrics(images, finite, cond)
+    if score is not None:
+      for name, values in score(images, self.prompts(cond)).items():
+        values = np.where(finite, np.asarray(values, np.float64), np.nan)
+        ok = np.isfinite(values)
+        out[f'reward/{name}'] = float(values[ok].mean()) if ok.any() else float('nan')
+    return out
 
 
 TASK = SD3OCR
