@@ -33,7 +33,7 @@ TASK_CALLERS = CORE + ['ddrl_jax/pretrain.py', 'ddrl_jax/evaluate.py', 'ddrl_jax
 FAMILY_PATTERNS = [
     r'models\.(cosmos|wan|sd3|mlp)\b', r'models import (cosmos|wan|sd3|mlp)\b', r'\bcosmos_dit\b',
     r'\bcosmos_t2i\b', r'\bwan_vae\b', r'\bCosmos(DiT|T2I|Video)\b', r'\bWan(DiT|VAE)\b', r'\bMMDiT\b',
-    r'\bVelocityMLP\b', r'tasks(\.| import )(video|ocr|toy2d)\b',
+    r'\bVelocityMLP\b', r'tasks(\.| import )(video|ocr|toy2d|sd3_ocr|wan_t2v|prompt_task)\b',
     r"config\.(cosmos|ocr|toy2d)\b", r"\.get\('(cosmos|ocr|toy2d)'", r"'(cosmos|ocr)\.\w+'",
     r"\b(act_frames|crossattn_in|adaln)\b",
 ]
@@ -56,7 +56,9 @@ def test_family_pattern_finds_a_family_name(tmp_path):
   """The grep is live: it flags the lines the core held before the seam."""
   before = ["  if config.get('cosmos') is not None:", 'from ddrl_jax.models import cosmos_dit',
             "    'ocr.base_checkpoint', 'ocr.require_base', 'cosmos.checkpoint',",
-            "    'act_frames': 'context',", 'from ddrl_jax.tasks import video']
+            "    'act_frames': 'context',", 'from ddrl_jax.tasks import video',
+            'from ddrl_jax.tasks import sd3_ocr', 'from ddrl_jax.tasks import wan_t2v',
+            'from ddrl_jax.tasks import prompt_task', 'import ddrl_jax.tasks.sd3_ocr']
   for line in before:
     assert any(re.search(p, line) for p in FAMILY_PATTERNS), line
 

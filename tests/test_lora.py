@@ -44,6 +44,21 @@ def test_fresh_adapters_leave_the_model_bit_for_bit_unchanged(init):
   np.testing.assert_array_equal(np.asarray(model(*inputs)), np.asarray(before))
 
 
+def test_lora_scale_is_alpha_over_rank_in_numbers():
+  """The forward scale pinned to numbers, not read back from the same field the model uses: rank 4,
+  alpha 8 is 2; alpha 0 means alpha = rank (scale 1). A Dense with W = 0, A = 1 and B = 1 maps x = 1
+  (din 3) to 2 * (din * r) = 24 in every output."""
+  assert lora.LoRAConfig(rank=4, alpha=8.0).scale == 2.0
+  assert lora.LoRAConfig(rank=4, alpha=0.0).scale == 1.0
+  assert lora.LoRAConfig(rank=16, alpha=4.0).scale == 0.25
+  dense = lora.layers.Dense(3, 5, use_bias=False, rngs=nnx.Rngs(0))
+  dense.kernel[...] = jnp.zeros((3, 5))
+  lora.attach(dense, lora.LoRAConfig(rank=4, alpha=8.0, targets=('.*',)), jax.random.key(0))
+  dense.lora_a[...] = jnp.ones((3, 4))
+  dense.lora_b[...] = jnp.ones((4, 5))
+  np.testing.assert_array_equal(np.asarray(dense(jnp.ones((2, 3)))), np.full((2, 5), 24.0))
+
+
 def test_initializations_follow_peft():
   """kaiming: U(-1/sqrt(din), 1/sqrt(din)) (peft's kaiming_uniform with a = sqrt 5); gaussian: N(0, 1/r)."""
   model, _ = _model_and_inputs()
@@ -244,16 +259,23 @@ def test_resume_on_another_base_is_refused(lora_runs, tmp_path):
 
 def test_flow_grpo_reference_is_the_base_without_a_copy(tmp_path):
   """FlowGRPO's KL reference under LoRA is the frozen base (adapters at zero): no reference copy is
-  kept, and at the first update, where the adapters are still zero, the policy is the base, so the KL
-  is exactly 0."""
-  c = lora_config(1, 'flow_grpo')
+  kept; at the first update, where the adapters are still zero, the policy is the base, so the KL is 0
+  (to float rounding); once the adapters have moved the KL to the base is positive (a reference that followed
+  the policy would keep it at 0)."""
+  c = lora_config(3, 'flow_grpo')
   c.rl.kl_beta = 0.04
+  c.reward.fns = {'mean_intensity': 1.0}     # rewards that differ within a group, so the adapters move
   trainer = trainer_lib.Trainer(c, tmp_path / 'w', devices=jax.devices()[:1])
   trainer.train(progress=False)
   assert trainer.state.ref_params is None and trainer.state.frozen is not None
   from ddrl_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   rows = [r for r in metrics_lib.read_metrics(tmp_path / 'w') if 'kl' in r]
-  assert rows and rows[0]['step'] == 1 and rows[0]['kl'] == 0.0, rows
+  assert [r['step'] for r in rows] == [1, 2, 3], rows
+  assert rows[0]['kl'] < 1e-12, rows
+  adapters = [np.asarray(l) for p, l in jax.tree_util.tree_flatten_with_path(trainer.state.params)[0]
+              if 'lora_b' in jax.tree_util.keystr(p)]
+  assert adapters and any(np.abs(b).max() > 0 for b in adapters)
+  assert rows[2]['kl'] > 1e-9, rows
 
 
 def test_sharded_lora_update_equals_one_device():
