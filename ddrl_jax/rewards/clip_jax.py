@@ -592,17 +592,24 @@ def resample_taps(in_size, out_size, kind):
   return index, w
 
 
-def torch_aa_matrix(in_size, out_size):
-  """(out, in) float64 matrix holding the float32 weights of torch's interpolate(mode='bilinear',
+def torch_aa_matrix(in_size, out_size, kind='bilinear'):
+  """(out, in) float64 matrix holding the float32 weights of torch's interpolate(mode=kind,
   align_corners=False, antialias=True) on float32 tensors (ATen's _compute_indices_min_size_weights_aa):
   PIL's triangle-filter formula (`resample_taps`), but evaluated in torch's float32 arithmetic, operation for
   operation (scale in float32, the centres rounded to float32, the weights summed and divided in float32).
   The float64 weights of the same formula differ from torch's by up to ~3e-5 of a [0, 1] pixel on large
-  downscales (e.g. 1000 -> 224); these match it to float32 round-off."""
+  downscales (e.g. 1000 -> 224); these match it to float32 round-off.
+
+  kind 'bicubic': PIL's Keys cubic (a = -0.5, support 2 x the downscale factor), the filter polynomial
+  evaluated with fused multiply-adds as the FMA (AVX2 / AVX-512) builds of torch's CPU kernel compile it:
+  bit-identical to torch 2.13's weights here (a build without FMA differs in the last bit)."""
   f32, f64 = np.float32, np.float64
+  if kind not in ('bilinear', 'bicubic'):
+    raise ValueError(f"torch_aa_matrix: kind {kind!r}; known: ['bicubic', 'bilinear']")
+  half = 1.0 if kind == 'bilinear' else 2.0                # interp_size * 0.5: interp_size 2 / 4
   scale = f32(in_size) / f32(out_size)
   aa = scale >= 1.0
-  support = f32(f64(scale)) if aa else f32(1.0)            # (interp_size * 0.5) * scale, interp_size 2
+  support = f32(half * f64(scale)) if aa else f32(half)    # (interp_size * 0.5) * scale
   invscale = f32(1.0 / f64(scale)) if aa else f32(1.0)
   ksize = int(math.ceil(support)) * 2 + 1
   center = (f64(scale) * (np.arange(out_size) + 0.5)).astype(f32)
@@ -612,7 +619,16 @@ def torch_aa_matrix(in_size, out_size):
   j = np.arange(ksize)[None]
   arg = np.abs(((((j + xmin[:, None]).astype(f32) - center[:, None]).astype(f64) + 0.5)
                 * f64(invscale)).astype(f32))
-  w = np.where((arg < 1.0) & (j < xsize[:, None]), (1.0 - arg.astype(f64)).astype(f32), f32(0)).astype(f32)
+  if kind == 'bilinear':
+    w = np.where((arg < 1.0) & (j < xsize[:, None]), (1.0 - arg.astype(f64)).astype(f32), f32(0)).astype(f32)
+  else:
+    def fma(a, b, c):    # float32 a * b + c rounded once (the float64 product of two float32 is exact)
+      return (np.asarray(a, f64) * np.asarray(b, f64) + np.asarray(c, f64)).astype(f32)
+    a = f32(-0.5)        # ATen's cubic_convolution1 / 2 at a = -0.5
+    near = fma(fma(a + f32(2), arg, -(a + f32(3))) * arg, arg, f32(1))
+    far = fma(fma(fma(a, arg, -(f32(5) * a)), arg, f32(8) * a), arg, -(f32(4) * a))
+    w = np.where(arg < 1.0, near, np.where(arg < 2.0, far, f32(0)))
+    w = np.where(j < xsize[:, None], w, f32(0)).astype(f32)
   total = np.zeros(out_size, f32)
   for t in range(ksize):                                   # torch's sequential float32 sum
     total = (total + w[:, t]).astype(f32)
@@ -623,16 +639,18 @@ def torch_aa_matrix(in_size, out_size):
   return m
 
 
-def resize_float(x, size):
-  """(B, H, W, C) float32 -> (B, h, w, C): torch's interpolate(mode='bilinear', align_corners=False,
-  antialias=True) (`torch_aa_matrix`), the width pass then the height pass as torch does, each a float32
-  matmul at HIGHEST precision; unchanged when already that size."""
+def resize_float(x, size, kind='bilinear'):
+  """(B, H, W, C) float32 -> (B, h, w, C): torch's interpolate(mode=kind ('bilinear' or 'bicubic'),
+  align_corners=False, antialias=True) (`torch_aa_matrix`), the width pass then the height pass as torch
+  does, each a float32 matmul at HIGHEST precision; unchanged when already that size (no clamping)."""
   h, w = size
   hp = jax.lax.Precision.HIGHEST
   if x.shape[2] != w:
-    x = jnp.einsum('ow,bhwc->bhoc', jnp.asarray(torch_aa_matrix(x.shape[2], w), jnp.float32), x, precision=hp)
+    x = jnp.einsum('ow,bhwc->bhoc', jnp.asarray(torch_aa_matrix(x.shape[2], w, kind), jnp.float32), x,
+                   precision=hp)
   if x.shape[1] != h:
-    x = jnp.einsum('oh,bhwc->bowc', jnp.asarray(torch_aa_matrix(x.shape[1], h), jnp.float32), x, precision=hp)
+    x = jnp.einsum('oh,bhwc->bowc', jnp.asarray(torch_aa_matrix(x.shape[1], h, kind), jnp.float32), x,
+                   precision=hp)
   return x
 
 

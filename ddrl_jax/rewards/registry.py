@@ -40,6 +40,7 @@ BUILTIN = {
     'clipscore_jax': 'ddrl_jax.rewards.clip_jax:CLIPScoreJax',
     'clipscore_flowgrpo_jax': 'ddrl_jax.rewards.clip_jax:CLIPScoreFlowGRPOJax',
     'laion_aesthetic_jax': 'ddrl_jax.rewards.clip_jax:LAIONAestheticJax',
+    'hpsv21_jax': 'ddrl_jax.rewards.hps_jax:HPSv21Jax',   # hpsv21's checkpoint on clip_jax's NNX CLIP
     # UnifiedReward-7b-v1.5 behind an OpenAI-compatible server (sglang / vLLM): Final Score / 5.
     'unified_reward': 'ddrl_jax.rewards.unified_reward:UnifiedReward',
     # GenEval's rules on a detector's output (partial credit for training; correct / strict for evaluation).
@@ -58,7 +59,7 @@ BUILTIN = {
 
 # Rewards that run JAX on the trainer's own devices: built in the trainer's process (config.reward.workers
 # = 0, the local backend), given a mesh of this process's devices (`mesh=`, batch over its 'data' axis).
-IN_PROCESS = ('pickscore_jax', 'clipscore_jax', 'clipscore_flowgrpo_jax', 'laion_aesthetic_jax')
+IN_PROCESS = ('pickscore_jax', 'clipscore_jax', 'clipscore_flowgrpo_jax', 'laion_aesthetic_jax', 'hpsv21_jax')
 
 # What each reward with files needs, checked before a run builds anything (ddrl_jax.preflight):
 # module:function(kwargs) -> list of one-line problems.
@@ -76,6 +77,7 @@ INPUT_CHECKS = {
     'clipscore_jax': 'ddrl_jax.rewards.clip_jax:clipscore_jax_input_problems',
     'clipscore_flowgrpo_jax': 'ddrl_jax.rewards.clip_jax:clipscore_flowgrpo_jax_input_problems',
     'laion_aesthetic_jax': 'ddrl_jax.rewards.clip_jax:aesthetic_jax_input_problems',
+    'hpsv21_jax': 'ddrl_jax.rewards.hps_jax:input_problems',
     'unified_reward': 'ddrl_jax.rewards.unified_reward:input_problems',
     'geneval': 'ddrl_jax.rewards.geneval:input_problems',
     'geneval_correct': 'ddrl_jax.rewards.geneval:input_problems',
@@ -101,6 +103,7 @@ SCORE_BOUNDS = {
     'imagereward': (-10.0, 10.0),                           # z-scored, typically within [-3, 3] (heuristic)
     'pickscore_jax': (-100 / 26, 100 / 26), 'clipscore_jax': (-1.0, 1.0),
     'clipscore_flowgrpo_jax': (-100 / 30, 100 / 30), 'laion_aesthetic_jax': (-10.0, 20.0),
+    'hpsv21_jax': (-1.0, 1.0),
     'unified_reward': (0.2, 1.0),                           # Final Score 1-5, / 5
     'geneval': (-14.0, 1.0),                                # mean of count terms, down to 1 - 15 / 1
     'geneval_correct': (0.0, 1.0), 'geneval_strict': (0.0, 1.0),
