@@ -1,4 +1,4 @@
-"""Stable Diffusion 3.5 Medium text rendering at 512 x 512 with the OCR reward (task sd3_ocr).
+"""Stable Diffusion 3.5 Medium text rendering at 512 x 512 with the OCR reward (task prompt_task, model family sd3).
 
     python -m ddrl_jax.train --config=configs/sd35m.py:ddrl --workdir=...       (the paper's Table 4)
     python -m ddrl_jax.train --config=configs/sd35m.py:flow_grpo --workdir=...
@@ -28,12 +28,12 @@ Presets, each following one public recipe (the rest of the keys are shared below
   flow_grpo_pickscore, flow_grpo_geneval: FlowGRPO config/grpo.py `pickscore_sd3` / `geneval_sd3`: the
                  flow_grpo preset with the PickScore reward and KL beta 0.01 / the GenEval reward (its
                  rules on a detector given as config.reward.kwargs.geneval.detector) and 0.04; their
-                 prompt sets do not ship here (config.sd3.prompts is a required input).
+                 prompt sets do not ship here (config.prompt.prompts is a required input).
   ddrl_pickscore, ddrl_geneval: the ddrl preset on the same rewards and prompts (the data term on the
                  base's own samples of them). These presets also evaluate with their reward
                  (eval/reward/<name>) beside the OCR columns.
-CFG policy per preset: config.sd3.guidance_rollout (rollouts and the policy gradient, which re-evaluates
-the rollouts' own conditions), config.sd3.guidance_eval (evaluation). Differences from the references:
+CFG policy per preset: config.prompt.guidance_rollout (rollouts and the policy gradient, which re-evaluates
+the rollouts' own conditions), config.prompt.guidance_eval (evaluation). Differences from the references:
 one rollout batch per optimizer step (FlowGRPO: 2 optimizer steps per 1152-sample epoch), our power EMA
 in place of FlowGRPO's decay min((1+n)/(10+n), 0.9) every 8 steps, and the prompts: FlowGRPO's OCR training
 split is not public, so the runs train on its 1017 test prompts less 128 held out for evaluation.
@@ -78,7 +78,8 @@ def get_config(arg='ddrl'):
   reward = next((r for r in IMAGE_REWARDS if name.endswith('_' + r)), 'ocr')
   preset = name[:-len(reward) - 1] if reward != 'ocr' else name
   c = common.base_config()
-  c.task = 'sd3_ocr'
+  c.task = 'prompt_task'
+  c.model_family = 'sd3'
   common.use_family_rules(c, 'sd3')
   common.apply_algorithm_preset(c, preset)
   c.seed = 0
@@ -149,10 +150,14 @@ def get_config(arg='ddrl'):
       text_seed=0,
       max_sequence_length=256,       # T5 tokens (diffusers' default); 77 CLIP tokens come first
       resolution=512,
+  ))
+  c.prompt = ml_collections.ConfigDict(dict(
       prompts='',                    # '' = data/ocr/flow_grpo_ocr_test.txt
       num_eval_prompts=128,
       guidance_rollout=cfg_scale,
       guidance_eval=cfg_scale,
+      prompts_required=False,        # True where a recipe's prompt set does not ship
+      prompts_source='',
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
 
@@ -169,12 +174,12 @@ def get_config(arg='ddrl'):
     sd.text_encoders = 'tiny_random'
     sd.max_sequence_length = 8
     sd.resolution = 64
-    sd.num_eval_prompts = 4
+    c.prompt.num_eval_prompts = 4
     sd.vae_batch = 4
     sd.dit_overrides = ml_collections.ConfigDict(dict(in_channels=16, out_channels=16, sample_size=8,
                                                       **_tiny_text_dims()))
     if reward != 'ocr':
-      sd.prompts_required = False   # any prompts do at toy size: the shipped OCR ones
+      c.prompt.prompts_required = False   # any prompts do at toy size: the shipped OCR ones
   return c
 
 
@@ -188,8 +193,8 @@ def _use_image_reward(c, preset, reward):
     c.reward.kwargs.geneval = ml_collections.ConfigDict(dict(metadata_file='', detector=''))
   if preset == 'flow_grpo':
     c.rl.kl_beta = recipe['kl_beta']
-  c.sd3.prompts_required = True
-  c.sd3.prompts_source = recipe['prompts']
+  c.prompt.prompts_required = True
+  c.prompt.prompts_source = recipe['prompts']
 
 
 def _tiny_text_dims():

@@ -1,5 +1,5 @@
-"""Wan2.1-T2V-14B text rendering in video (task wan_t2v): FlowGRPO's `general_ocr_wan2_1` recipe with the
-14B model (the config's commented-out `Wan2.1-T2V-14B-Diffusers`).
+"""Wan2.1-T2V-14B text rendering in video (task prompt_task, model family wan): FlowGRPO's
+`general_ocr_wan2_1` recipe with the 14B model (the config's commented-out `Wan2.1-T2V-14B-Diffusers`).
 
     python -m ddrl_jax.train --config=configs/wan14b.py:flow_grpo --workdir=...
 

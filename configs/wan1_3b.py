@@ -1,4 +1,4 @@
-"""Wan2.1-T2V-1.3B text rendering in video (task wan_t2v): FlowGRPO's `general_ocr_wan2_1` model.
+"""Wan2.1-T2V-1.3B text rendering in video (task prompt_task, model family wan): FlowGRPO's `general_ocr_wan2_1` model.
 
     python -m ddrl_jax.train --config=configs/wan1_3b.py:flow_grpo --workdir=...
     python -m ddrl_jax.train --config=configs/wan1_3b.py:flow_grpo_smoke --workdir=/tmp/wan_smoke

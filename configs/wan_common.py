@@ -1,5 +1,5 @@
-"""Wan2.1 text-to-video with FlowGRPO's OCR-in-video reward (task wan_t2v), shared by configs/wan1_3b.py
-and configs/wan14b.py.
+"""Wan2.1 text-to-video with FlowGRPO's OCR-in-video reward (task prompt_task, model family wan), shared by
+configs/wan1_3b.py and configs/wan14b.py.
 
     python -m ddrl_jax.train --config=configs/wan1_3b.py:flow_grpo --workdir=...
     python -m ddrl_jax.train --config=configs/wan1_3b.py:ddrl --workdir=...  (samples its data first, below)
@@ -80,7 +80,8 @@ def get_config(model, arg='flow_grpo'):
     raise ValueError(f'unknown Wan model {model!r}; known: {MODELS}')
   preset, smoke = split_arg(arg)
   c = common.base_config()
-  c.task = 'wan_t2v'
+  c.task = 'prompt_task'
+  c.model_family = 'wan'
   common.use_family_rules(c, 'wan')
   common.apply_algorithm_preset(c, preset)
   c.seed = 0
@@ -152,10 +153,14 @@ def get_config(model, arg='flow_grpo'):
       text_encoder='',               # a diffusers Wan2.1 pipeline folder, or 'tiny_random'
       text_seed=0,
       vae='wan21', vae_overrides=ml_collections.ConfigDict(), vae_checkpoint='', vae_seed=1, vae_batch=1,
+  ))
+  c.prompt = ml_collections.ConfigDict(dict(
       prompts='',                    # '' = data/ocr/flow_grpo_ocr_test.txt
       num_eval_prompts=128,
       guidance_rollout=cfg_scale,
       guidance_eval=cfg_scale,
+      prompts_required=False,
+      prompts_source='',
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=FSDP[model], context=1, tensor=1))
 
@@ -170,7 +175,7 @@ def get_config(model, arg='flow_grpo'):
     w.latent_shape = (2, 4, 4)       # 5 frames at 32 x 32
     w.text_length = 8
     w.text_encoder = 'tiny_random'
-    w.num_eval_prompts = 4
+    c.prompt.num_eval_prompts = 4
     w.vae = 'tiny'
     w.vae_overrides = ml_collections.ConfigDict(dict(
         z_dim=16, latents_mean=tuple(_wan_stats()[0]), latents_std=tuple(_wan_stats()[1])))

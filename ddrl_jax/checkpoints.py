@@ -132,7 +132,8 @@ def _safe(key, extra_safe=()):
 def config_differences(saved, current, extra_safe=()):
   """(safe, unsafe): lists of (key, saved value, current value) between two config dicts; `extra_safe`
   adds safe keys (or 'prefix.' groups) to SAFE_TO_CHANGE."""
-  a, b = flatten(saved), flatten(current)
+  from ddrl_jax import moved_keys  # pylint: disable=g-import-not-at-top
+  a, b = moved_keys.migrate(flatten(saved)), flatten(current)
   if any(k.startswith('rl.') for k in a):       # a trainer config written before those keys existed
     for key, value in ADDED_KEY_DEFAULTS.items():
       a.setdefault(key, value)

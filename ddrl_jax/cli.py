@@ -174,6 +174,10 @@ def make_flags_parser(required=()):
         if unknown is None:
           raise
         arg, key, err = unknown
+        from ddrl_jax import moved_keys  # pylint: disable=g-import-not-at-top
+        if moved_keys.new_place(key):
+          raise UsageError(f'{arg}: config.{key} moved to config.{moved_keys.new_place(key)}',
+                           f'write --config.{moved_keys.new_place(key)}=...') from e
         raise UsageError(f'{arg}: {spec} has no key config.{key}',
                          (_did_you_mean(err) + ' ' if _did_you_mean(err) else '')
                          + 'unknown keys are not accepted') from e

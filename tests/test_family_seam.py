@@ -10,6 +10,7 @@ from configs import cosmos2b
 from configs import ocr_tiny
 from configs import sd35m
 from configs import toy2d
+from configs import wan1_3b
 from ddrl_jax import checkpoints
 from ddrl_jax import config as config_lib
 from ddrl_jax import parallel
@@ -70,22 +71,8 @@ def test_no_task_attribute_probing(path):
   assert not hits, '\n'.join(hits)
 
 
-def _wan_config():
-  """The 'wan' family's section alone (its task and configs come with the Wan recipes)."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  from configs import common  # pylint: disable=g-import-not-at-top
-  c = common.base_config()
-  c.model_family = 'wan'
-  c.wan = ml_collections.ConfigDict(dict(
-      model='tiny', dit_overrides=ml_collections.ConfigDict(), dtype='float32', param_dtype='float32',
-      remat_policy='none', checkpoint='', latent_shape=(2, 4, 4), text_length=8, guidance_rollout=1.0,
-      guidance_eval=1.0))
-  common.use_family_rules(c, 'wan')
-  return c
-
-
 CONFIGS = {'cosmos': lambda: cosmos2b.get_config('smoke'), 'cosmos_t2i': ocr_tiny.get_config,
-           'mlp': toy2d.get_config, 'sd3': lambda: sd35m.get_config('flow_grpo_smoke'), 'wan': _wan_config}
+           'mlp': toy2d.get_config, 'sd3': lambda: sd35m.get_config('flow_grpo_smoke'), 'wan': lambda: wan1_3b.get_config('flow_grpo_smoke')}
 SAMPLE_SHAPES = {'wan': (16, 2, 4, 4)}
 
 

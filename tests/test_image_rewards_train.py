@@ -38,16 +38,16 @@ def test_image_reward_presets_carry_flow_grpos_recipes():
     c = sd35m.get_config(name)
     assert c.algorithm == 'flow_grpo' and dict(c.reward.fns) == {reward: 1.0} and c.rl.kl_beta == kl
     for key in ('num_iterations', 'batch_size', 'num_rollouts', 'sampler.num_steps', 'sampler.noise_level',
-                'sampler.eval_num_steps', 'sd3.guidance_rollout', 'rl.clip_range', 'lora.rank'):
+                'sampler.eval_num_steps', 'prompt.guidance_rollout', 'rl.clip_range', 'lora.rank'):
       a, b = c, ocr
       for part in key.split('.'):
         a, b = a[part], b[part]
       assert a == b, key
-    assert c.sd3.prompts_required and 'dataset' in c.sd3.prompts_source or 'GenEval' in c.sd3.prompts_source
+    assert c.prompt.prompts_required and 'dataset' in c.prompt.prompts_source or 'GenEval' in c.prompt.prompts_source
   d = sd35m.get_config('ddrl_pickscore')
   assert d.algorithm == 'ddrl' and dict(d.reward.fns) == {'pickscore': 1.0}
-  assert d.data.base_samples == d.num_iterations * d.batch_size and d.sd3.guidance_rollout == 1.0
-  assert not sd35m.get_config('flow_grpo_pickscore_smoke').sd3.prompts_required
+  assert d.data.base_samples == d.num_iterations * d.batch_size and d.prompt.guidance_rollout == 1.0
+  assert not sd35m.get_config('flow_grpo_pickscore_smoke').prompt.prompts_required
 
 
 def test_a_pickscore_preset_without_its_prompts_and_weights_names_them(tmp_path):
@@ -55,7 +55,7 @@ def test_a_pickscore_preset_without_its_prompts_and_weights_names_them(tmp_path)
   with pytest.raises(preflight.MissingInputs) as e:
     trainer_lib.Trainer(sd35m.get_config('flow_grpo_pickscore'), str(tmp_path / 'run'))
   text = str(e.value)
-  for words in ('config.sd3.prompts', 'dataset/pickscore/train.txt', 'config.sd3.checkpoint',
+  for words in ('config.prompt.prompts', 'dataset/pickscore/train.txt', 'config.sd3.checkpoint',
                 'config.reward.kwargs.pickscore.checkpoint'):
     assert words in text, (words, text)
 

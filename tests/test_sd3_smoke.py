@@ -24,7 +24,7 @@ from ddrl_jax.models.sd3 import family as sd3_family
 from ddrl_jax.models.sd3 import mmdit
 from ddrl_jax.models.sd3 import vae as sd3_vae
 from ddrl_jax.models.sd3 import vae_convert
-from ddrl_jax.tasks import sd3_ocr
+from ddrl_jax.tasks import prompt_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,9 +34,9 @@ def test_presets_carry_their_recipes():
   ddrl, grpo, nft = (sd35m.get_config(p) for p in ('ddrl', 'flow_grpo', 'diffusion_nft'))
   assert (ddrl.algorithm, grpo.algorithm, nft.algorithm) == ('ddrl', 'flow_grpo', 'diffusion_nft')
   # CFG policy: FlowGRPO guides rollouts, the policy gradient and evaluation at 4.5; DDRL and NFT never.
-  assert (grpo.sd3.guidance_rollout, grpo.sd3.guidance_eval) == (4.5, 4.5)
+  assert (grpo.prompt.guidance_rollout, grpo.prompt.guidance_eval) == (4.5, 4.5)
   for c in (ddrl, nft):
-    assert (c.sd3.guidance_rollout, c.sd3.guidance_eval) == (1.0, 1.0)
+    assert (c.prompt.guidance_rollout, c.prompt.guidance_eval) == (1.0, 1.0)
   assert grpo.sampler.num_steps == 10 and grpo.sampler.eval_num_steps == 40
   assert grpo.rl.kl_beta == 0.04 and grpo.rl.kl_form == 'flow_grpo' and grpo.rl.clip_range == 1e-4
   assert (grpo.batch_size, grpo.num_rollouts) == (24, 24)
@@ -147,7 +147,7 @@ def test_diffusers_folder_converts_and_loads_sharded(tmp_path):
 def test_prepare_writes_text_and_pooled_embeddings(tmp_path):
   """Captioned images -> records whose sample is the VAE latent and whose text_embedding and
   pooled_embedding are the real (tiny random) CLIP-L/G + T5 encoders' output for the caption."""
-  task = sd3_ocr.SD3OCR(sd35m.get_config('ddrl_smoke'))
+  task = prompt_task.PromptTask(sd35m.get_config('ddrl_smoke'))
   src = tmp_path / 'src'
   src.mkdir()
   rs = np.random.RandomState(0)
@@ -172,18 +172,18 @@ def test_prepare_writes_text_and_pooled_embeddings(tmp_path):
 
 
 def test_prompts_split_and_cache():
-  task = sd3_ocr.SD3OCR(sd35m.get_config('flow_grpo_smoke'))
+  task = prompt_task.PromptTask(sd35m.get_config('flow_grpo_smoke'))
   assert not set(task.train_prompts) & set(task.eval_prompts)
-  assert len(task.train_prompts) + len(task.eval_prompts) == len(sd3_ocr.read_prompts(""))
+  assert len(task.train_prompts) + len(task.eval_prompts) == len(prompt_task.read_prompts(""))
   cond = task.conditions(jax.random.key(0), 3)
   assert set(cond) == {'text', 'pooled', 'index', 'guidance', 'null_text', 'null_pooled'}
   np.testing.assert_array_equal(cond['guidance'], 4.5)
   assert task.prompts(cond) == [task.train_prompts[i] for i in np.asarray(cond['index'])]
   ev = task.eval_conditions(jax.random.key(1), 6)
   assert task.prompts(ev) == [task.eval_prompts[i % 4] for i in range(6)]
-  cached = len(task._cache)                                              # pylint: disable=protected-access
+  cached = len(task.family._text_cache)                                              # pylint: disable=protected-access
   task.conditions(jax.random.key(0), 3)
-  assert len(task._cache) == cached                                      # pylint: disable=protected-access
+  assert len(task.family._text_cache) == cached                                      # pylint: disable=protected-access
   abstract = task.abstract_conditions(3)
   assert jax.tree.map(lambda a: a.shape, abstract) == jax.tree.map(lambda a: a.shape, cond)
 
@@ -220,6 +220,6 @@ def test_ddrl_smoke_regularizes_with_the_bases_own_samples(tmp_path):
   trainer, metrics = _train(config, tmp_path / 'w')
   recs = records.read_all(str(tmp_path / 'w' / 'base_samples'))
   assert len(recs) == 8 and {'text_embedding', 'pooled_embedding'} <= set(recs[0])
-  assert {r['prompt'] for r in recs} <= set(sd3_ocr.SD3OCR(config).train_prompts)
+  assert {r['prompt'] for r in recs} <= set(prompt_task.PromptTask(config).train_prompts)
   assert int(trainer.state.step) == 2 and metrics['data_records_seen'] == 8
   assert np.isfinite(metrics['loss']) and np.isfinite(metrics['data_loss'])

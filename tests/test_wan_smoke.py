@@ -15,7 +15,6 @@ from ddrl_jax.data import records
 from ddrl_jax.data import synthesize
 from ddrl_jax.rewards import ocr as ocr_reward
 from ddrl_jax.tasks import prompt_task
-from ddrl_jax.tasks import wan_t2v
 
 
 # ------------------------------------------------------------------------------------------ recipes
@@ -24,7 +23,8 @@ def test_presets_carry_their_recipes(module):
   ddrl, grpo, dance = (module.get_config(p) for p in module.PRESETS)
   assert (ddrl.algorithm, grpo.algorithm, dance.algorithm) == ('ddrl', 'flow_grpo', 'dance_grpo')
   for c in (ddrl, grpo, dance):
-    assert c.task == 'wan_t2v' and c.wan.model == os.path.basename(module.__file__)[:-3]
+    assert c.task == 'prompt_task' and c.model_family == 'wan'
+    assert c.wan.model == os.path.basename(module.__file__)[:-3]
     assert tuple(c.wan.latent_shape) == (9, 30, 52) and c.sampler.shift == 3.0
     assert c.sampler.num_steps == 20 and c.sampler.eval_num_steps == 50 and c.sampler.eval_deterministic
     assert c.wan.dtype == 'bfloat16' and c.wan.param_dtype == 'float32'
@@ -33,16 +33,16 @@ def test_presets_carry_their_recipes(module):
     assert c.mesh.context == 1 and c.batch_size == 8
     assert config_lib.validate(c, 8)[1] == c.mesh.fsdp
   # FlowGRPO general_ocr_wan2_1: guidance 4.5 everywhere, group 4, lr 1e-4, clip 1e-3, beta 0.004, per-group std.
-  assert (grpo.wan.guidance_rollout, grpo.wan.guidance_eval) == (4.5, 4.5)
+  assert (grpo.prompt.guidance_rollout, grpo.prompt.guidance_eval) == (4.5, 4.5)
   assert grpo.num_rollouts == 4 and grpo.optim.learning_rate == 1e-4 and grpo.rl.clip_range == 1e-3
   assert grpo.rl.kl_beta == 0.004 and grpo.rl.kl_form == 'flow_grpo' and not grpo.rl.adv_global_std
   assert grpo.sampler.kind == 'flow_sde' and grpo.sampler.noise_level == 0.7
   # DanceGRPO's Wan script: CFG 5 in sampling and training, group 12, fraction 0.6, clip 1e-4, adv clip 5.
-  assert (dance.wan.guidance_rollout, dance.wan.guidance_eval) == (5.0, 5.0)
+  assert (dance.prompt.guidance_rollout, dance.prompt.guidance_eval) == (5.0, 5.0)
   assert dance.num_rollouts == 12 and dance.rl.train_fraction == 0.6 and dance.rl.clip_range == 1e-4
   assert dance.rl.adv_clip == 5.0 and dance.sampler.kind == 'dance_sde' and dance.sampler.eta == 0.3
   # DDRL: no CFG, the data term on the base's own samples, every other step trained.
-  assert (ddrl.wan.guidance_rollout, ddrl.wan.guidance_eval) == (1.0, 1.0)
+  assert (ddrl.prompt.guidance_rollout, ddrl.prompt.guidance_eval) == (1.0, 1.0)
   assert ddrl.rl.data_beta == 0.01 and ddrl.rl.cond_dropout == 0.2 and ddrl.rl.data_noise == 'fresh'
   assert ddrl.rl.train_steps == tuple(range(0, 19, 2))
   with pytest.raises(ValueError, match='unknown config arg'):
@@ -52,7 +52,7 @@ def test_presets_carry_their_recipes(module):
 def test_smoke_variants_shrink_the_model_not_the_recipe():
   for preset in wan1_3b.PRESETS:
     full, smoke = wan1_3b.get_config(preset), wan1_3b.get_config(f'{preset}_smoke')
-    assert smoke.algorithm == full.algorithm and smoke.wan.guidance_rollout == full.wan.guidance_rollout
+    assert smoke.algorithm == full.algorithm and smoke.prompt.guidance_rollout == full.prompt.guidance_rollout
     assert smoke.reward.fns.to_dict() == full.reward.fns.to_dict() and smoke.reward.workers == 0
     assert (smoke.wan.model, smoke.wan.vae, smoke.wan.text_encoder) == ('tiny', 'tiny', 'tiny_random')
     assert smoke.wan.vae_overrides.z_dim == 16 and (smoke.batch_size, smoke.num_rollouts) == (2, 2)
@@ -61,7 +61,7 @@ def test_smoke_variants_shrink_the_model_not_the_recipe():
 
 # ---------------------------------------------------------------------------------------- the task
 def test_conditions_and_abstract_conditions_agree():
-  task = wan_t2v.WanT2V(wan1_3b.get_config('flow_grpo_smoke'))
+  task = prompt_task.PromptTask(wan1_3b.get_config('flow_grpo_smoke'))
   assert task.sample_shape == (16, 2, 4, 4) and task.media_shape == (5, 32, 32, 3)
   assert not set(task.train_prompts) & set(task.eval_prompts)
   assert len(task.train_prompts) + len(task.eval_prompts) == len(prompt_task.read_prompts(''))
@@ -75,11 +75,11 @@ def test_conditions_and_abstract_conditions_agree():
   assert task.prompts(ev) == [task.eval_prompts[i % 4] for i in range(6)]
   null = task.encode_prompts([''])['text_embedding']
   np.testing.assert_array_equal(cond['null_text'], np.repeat(null, 3, 0))
-  cached = len(task._cache)                                              # pylint: disable=protected-access
+  cached = len(task.family._text_cache)                                              # pylint: disable=protected-access
   task.conditions(jax.random.key(0), 3)
-  assert len(task._cache) == cached                                      # pylint: disable=protected-access
+  assert len(task.family._text_cache) == cached                                      # pylint: disable=protected-access
   # No CFG (DDRL): just the text and the index.
-  plain = wan_t2v.WanT2V(wan1_3b.get_config('ddrl_smoke'))
+  plain = prompt_task.PromptTask(wan1_3b.get_config('ddrl_smoke'))
   assert set(plain.conditions(jax.random.key(0), 2)) == set(plain.abstract_conditions(2)) == {'text', 'index'}
   # Records round trip: record_of -> from_records gives the cached embedding and the latent back.
   x = np.random.RandomState(0).randn(*task.sample_shape).astype(np.float32)
@@ -92,7 +92,7 @@ def test_conditions_and_abstract_conditions_agree():
 
 @pytest.mark.slow
 def test_videos_encode_and_decode_through_the_wan_vae():
-  task = wan_t2v.WanT2V(wan1_3b.get_config('ddrl_smoke'))
+  task = prompt_task.PromptTask(wan1_3b.get_config('ddrl_smoke'))
   videos = np.random.RandomState(0).randint(0, 256, (3,) + task.media_shape).astype(np.uint8)
   latents = task.encode_samples(videos)
   assert latents.shape == (3,) + task.sample_shape and np.isfinite(latents).all()
@@ -139,8 +139,8 @@ def test_video_ocr_positive_frame_mean():
 
 
 def test_wan_task_evaluation_readers_share_the_video_mode():
-  task = wan_t2v.WanT2V(wan1_3b.get_config('flow_grpo_smoke'))
-  tess, rapid = task._make_readers()                                     # pylint: disable=protected-access
+  task = prompt_task.PromptTask(wan1_3b.get_config('flow_grpo_smoke'))
+  tess, rapid = prompt_task.readers_of(task.config)
   assert (tess.video_mean, tess.frame_stride) == ('positive', 4)
   assert (rapid.video_mean, rapid.frame_stride) == ('positive', 4)
 
@@ -192,7 +192,7 @@ def test_flow_grpo_smoke_trains_with_tesseract_on_decoded_frames(tmp_path):
 def test_ddrl_smoke_regularizes_with_the_bases_own_samples(tmp_path):
   """data.synthesize writes the base's videos' latents with their UMT5 embeddings; DDRL trains on them."""
   config = wan1_3b.get_config('ddrl_smoke')
-  prompts = wan_t2v.WanT2V(config).train_prompts[:2]
+  prompts = prompt_task.PromptTask(config).train_prompts[:2]
   syn_config = config.copy_and_resolve_references()
   syn_config.batch_size = 4          # synthesize's Trainer takes every device: 4 x 2 slots over the 8 fake ones
   summary = synthesize.synthesize(syn_config, str(tmp_path / 'syn'), prompts=prompts, per_prompt=2, batch=4,

@@ -203,12 +203,6 @@ class SectionFamily:
   def remat_policy(self):
     return self.dit.remat_policy
 
-  @property
-  def cfg_on(self):
-    """Whether any phase samples with classifier-free guidance (<section>.guidance_rollout / guidance_eval
-    != 1), so that apply_fn runs the 2B forward of `guided_velocity`."""
-    return self.c.get('guidance_rollout', 1.0) != 1.0 or self.c.get('guidance_eval', 1.0) != 1.0
-
   def load_base(self, abstract_base):
     if not self.c.checkpoint:
       return None

@@ -9,6 +9,11 @@ import importlib
 
 def task_class(config):
   """The class `ddrl_jax.tasks.<config.task>.TASK`."""
+  from ddrl_jax import moved_keys  # pylint: disable=g-import-not-at-top
+  moved = moved_keys.task_message(config.task)
+  if moved:
+    from ddrl_jax import cli  # pylint: disable=g-import-not-at-top
+    raise cli.UsageError(moved, 'configs/sd35m.py and configs/wan_common.py show the new layout')
   try:
     module = importlib.import_module(f'ddrl_jax.tasks.{config.task}')
   except ModuleNotFoundError as e:

@@ -1,18 +1,35 @@
-"""What the prompt-conditioned latent tasks share (`sd3_ocr`, `wan_t2v`): a prompt file split into held-out
-and training prompts, text embeddings cached per prompt, the conditions with their classifier-free-guidance
-fields, records, and a VAE that decodes latents to uint8 pixels in chunks (`parallel.hosts.in_chunks`).
+"""Text-to-image and text-to-video on a prompt file, for any latent family with a pipeline
+(`ddrl_jax.models.pipeline.LatentPipeline`: SD3.5's 'sd3', Wan2.1's 'wan'): `config.task = 'prompt_task'`
+and `config.model_family` picks the family. The family owns the text encoders, the condition schema and
+the VAE; this task holds the prompts, the conditions' guidance policy, the records, the rewards' inputs and
+the evaluation.
 
-A subclass sets `SECTION` (its config section, e.g. 'sd3'), `TEXT_FIELDS` (condition name -> the name
-`encode_prompts` and records use, e.g. {'text': 'text_embedding'}), `SHAPE_KEY` (the config key that sets
-the sample shape, for messages), `sample_shape`, and implements `_make_encoder()`, `_encode(encoder,
-prompts)` -> {record name: (B, ...) array}, `text_shapes()` -> {condition name: per-sample shape},
-`_build_vae()` (the VAE module, its decoded layout given by `DECODE_PERM`) and `_media_to_pixels`.
+Config (`config.prompt`):
+  prompts           a prompt file, one a line ('' = FlowGRPO's 1017 OCR test prompts,
+                    `data/ocr/flow_grpo_ocr_test.txt`; FlowGRPO's OCR training split is not public)
+  num_eval_prompts  the first N prompts are held out for evaluation, the rest train (disjoint)
+  guidance_rollout  the classifier-free guidance of rollouts and of the policy-gradient re-evaluation (the
+                    rollout's own conditions carry it, so the two always agree) and of records
+  guidance_eval     the guidance of evaluation
+  prompts_required  a recipe whose prompt set does not ship: the prompt file is a required input
+  prompts_source    where that prompt set comes from (for the missing-input message)
 
-Conditions: the text fields, 'index' (B,) the prompt's row in training + held-out prompts (-1 for a
-record's prompt that is not in it); under classifier-free guidance (the family's cfg_on) also 'guidance'
-(B,) and 'null_<name>' for each text field, the empty prompt's embedding. Rollouts and the policy-gradient
-re-evaluation use config.<section>.guidance_rollout (the rollout's own conditions carry it), evaluation
-guidance_eval, records guidance_rollout.
+Conditions (a dict of (B, ...) arrays): the family's text fields and CFG fields (`text_conditions`: e.g.
+SD3's 'text' and 'pooled', Wan's 'text', with 'guidance' and 'null_<field>' under CFG) and 'index' (B,),
+the prompt's row in training + held-out prompts (-1 for a record's prompt that is not in it).
+
+Rewards score the decoded media: uint8 images (M, H, W, 3) of an image family, videos (M, F, H, W, 3)
+of a video family. Evaluation on the held-out prompts: OCR accuracy by Tesseract (the training reader) and
+RapidOCR (the held-out judge), reading videos as the training reader does (its frame_stride and
+video_mean, unless config.reward.kwargs.ocr_rapid sets them); the run's own rewards (reward/<name>) when
+they are not OCR alone; and temporal_smoothness (rewards/basic.py) for videos.
+
+Data: DDRL's data term reads records (config.data.path or config.data.base_samples): the base's own
+samples (`python -m ddrl_jax.data.synthesize`, the paper's image setting) or real media encoded by
+`python -m ddrl_jax.data.prepare`; records may carry the text embeddings.
+
+Configs written before this task existed (`config.task = 'sd3_ocr'` / `'wan_t2v'` with the prompt keys in
+config.sd3 / config.wan) are named in one line with the keys' new places (`ddrl_jax.tasks.MOVED_TASKS`).
 """
 import os
 
@@ -20,20 +37,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddrl_jax.parallel import hosts
+from ddrl_jax.models import pipeline as pipeline_lib
+from ddrl_jax.rewards import basic as basic_rewards
+from ddrl_jax.rewards import ocr as ocr_reward
 from ddrl_jax.rl import algorithms as rl_algorithms
 from ddrl_jax.tasks import base
 from ddrl_jax.tasks import ocr as ocr_task
 
-DEFAULT_PROMPTS = os.path.join(ocr_task.REPO_ROOT, 'data', 'ocr', 'flow_grpo_ocr_test.txt')
+DEFAULT_PROMPTS = os.path.join(pipeline_lib.REPO_ROOT, 'data', 'ocr', 'flow_grpo_ocr_test.txt')
+resolve = pipeline_lib.resolve
+SECTION = 'prompt'
 
 
-def resolve(path):
-  """A config path, relative paths taken from the repository root (where the README's commands run)."""
-  return path if not path or os.path.isabs(path) else os.path.join(ocr_task.REPO_ROOT, path)
-
-
-def read_prompts(path, key='config.sd3.prompts'):
+def read_prompts(path, key='config.prompt.prompts'):
   """Non-empty lines of a prompt file (relative paths from the repository root); '' = FlowGRPO's OCR
   test prompts. `key` names the config key in errors."""
   path = resolve(path) if path else DEFAULT_PROMPTS
@@ -44,81 +60,56 @@ def read_prompts(path, key='config.sd3.prompts'):
   return prompts
 
 
-def vae_functions(vae, perm):
-  """(state, encode, decode_u8, decode_u8's state placed on this host's devices) of a VAE module with
-  encode/decode/normalize_latents/denormalize_latents: encode(state, pixels in [-1, 1]) -> normalized
-  latents (jitted); decode_u8(state, latents) -> (uint8 pixels transposed by `perm`, finite (M,)),
-  data parallel over this host's devices. Non-finite latents decode as zeros and are marked."""
-  import flax.nnx as nnx  # pylint: disable=g-import-not-at-top
-  graphdef, state = nnx.split(vae)
-
-  @jax.jit
-  def encode(s, pixels):
-    m = nnx.merge(graphdef, s)
-    return m.normalize_latents(m.encode(pixels))
-
-  def decode_u8(s, z):
-    m = nnx.merge(graphdef, s)
-    z = z.astype(jnp.float32)
-    pixels = m.decode(m.denormalize_latents(jnp.nan_to_num(z)))
-    finite = jnp.isfinite(z).reshape(z.shape[0], -1).all(-1) & \
-        jnp.isfinite(pixels).reshape(pixels.shape[0], -1).all(-1)
-    u8 = jnp.round((jnp.nan_to_num(pixels).clip(-1, 1) + 1.0) * 127.5).astype(jnp.uint8)
-    return jnp.transpose(u8, perm), finite
-
-  decode_u8 = hosts.local_data_parallel(decode_u8)
-  return state, encode, decode_u8, decode_u8.place(state)
+def readers_of(config):
+  """(Tesseract, RapidOCR) with config.reward.kwargs' options; RapidOCR reads videos as the training
+  reader does (its frame_stride and video_mean), unless config.reward.kwargs.ocr_rapid sets them."""
+  kwargs = config.reward.kwargs
+  ocr_kw = dict(kwargs.get('ocr', {}))
+  video = {k: ocr_kw[k] for k in ('frame_stride', 'video_mean') if k in ocr_kw}
+  return (ocr_reward.OCRReward(**ocr_kw),
+          ocr_reward.RapidOCRReward(**dict(video, **dict(kwargs.get('ocr_rapid', {})))))
 
 
 class PromptTask(base.FamilyTask):
   """A text-conditioned latent task on a prompt file (see the module docstring)."""
 
-  SECTION = ''
-  TEXT_FIELDS = {'text': 'text_embedding'}
-  SHAPE_KEY = ''
-  DECODE_PERM = ()
+  DEFAULT_FAMILY = ''              # config.model_family names it
   capabilities = frozenset({'records', 'media', 'aot'})
 
-  def _init_prompts(self):
-    """Reads config.<section>.prompts and splits it: the first num_eval_prompts are held out."""
-    c = self.c
-    prompts = read_prompts(c.prompts, f'config.{self.SECTION}.prompts')
+  def __init__(self, config):
+    super().__init__(config)
+    if not hasattr(self.family, 'text_conditions'):
+      raise ValueError(f'config.model_family={self.family.name!r}: the prompt task needs a family with a '
+                       'text-to-media pipeline (ddrl_jax/models/pipeline.py), e.g. sd3 or wan')
+    if config.get(SECTION) is None:
+      raise ValueError('the prompt task reads config.prompt (prompts, num_eval_prompts, guidance_rollout, '
+                       'guidance_eval): this config has no such section')
+    self.c = c = config.prompt
+    self.sample_shape = tuple(self.family.sample_shape)
+    prompts = read_prompts(c.prompts)
     if len(prompts) <= c.num_eval_prompts:
-      raise ValueError(f'config.{self.SECTION}.num_eval_prompts={c.num_eval_prompts}: the prompt file has '
-                       f'only {len(prompts)} prompts (the rest train)')
+      raise ValueError(f'config.prompt.num_eval_prompts={c.num_eval_prompts}: the prompt file has only '
+                       f'{len(prompts)} prompts (the rest train)')
     self.eval_prompts = prompts[:c.num_eval_prompts]
     self.train_prompts = prompts[c.num_eval_prompts:]
     self.all_prompts = self.train_prompts + self.eval_prompts
     self._row = {p: i for i, p in reversed(list(enumerate(self.all_prompts)))}
-    self._encoder = None
-    self._cache = {}             # prompt -> {record name: per-sample array} float32
-    self._vae = None
     self._readers = None
+    self._smoothness = basic_rewards.TemporalSmoothness() if self.family.is_video else None
 
-  # Set by subclasses for `required_inputs`: the text-encoder key of the section, and the converter model
-  # names of the DiT (by config.<section>.model) and the VAE.
-  TEXT_ENCODER_KEY = 'text_encoder'
-  CONVERT_MODELS = {}
-  CONVERT_VAE = ''
-  WEIGHTS_SOURCE = '<diffusers pipeline folder>'
+  @property
+  def media_shape(self):
+    """One uint8 medium: (1, H, W, 3) for an image, (F, H, W, 3) for a video."""
+    return tuple(self.family.media_shape)
 
   def required_inputs(self):
-    """What a full run of this task needs (`ddrl_jax.preflight`, when config.require_inputs): the
-    converted DiT and VAE, the text encoders' folder, and DDRL's records (the base's own samples)."""
+    """What a full run needs (`ddrl_jax.preflight`, when config.require_inputs): the family's weights,
+    a recipe's own prompt file, and DDRL's records (the base's own samples)."""
     from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
-    c, sec, src = self.c, self.SECTION, self.WEIGHTS_SOURCE
-    model = self.CONVERT_MODELS.get(c.model, c.model)
-    out = [preflight.Input(f'{sec}.checkpoint', c.checkpoint, f'the converted {c.model} transformer',
-                           f'python -m ddrl_jax.models.convert --model={model} --source={src}/transformer '
-                           '--out=<dir>'),
-           preflight.Input(f'{sec}.vae_checkpoint', c.vae_checkpoint, 'the converted VAE',
-                           f'python -m ddrl_jax.models.convert --model={self.CONVERT_VAE} --source={src}/vae '
-                           '--out=<dir>'),
-           preflight.Input(f'{sec}.{self.TEXT_ENCODER_KEY}', c.get(self.TEXT_ENCODER_KEY, ''),
-                           'the text encoders', f'{src} (its text encoder and tokenizer folders)')]
-    if c.get('prompts_required', False):     # a recipe whose prompt set does not ship with the project
-      out.append(preflight.Input(f'{sec}.prompts', c.prompts, 'the training prompts',
-                                 c.get('prompts_source', 'a file of prompts, one a line')))
+    out = list(self.family.required_inputs())
+    if self.c.get('prompts_required', False):     # a recipe whose prompt set does not ship with the project
+      out.append(preflight.Input('prompt.prompts', self.c.prompts, 'the training prompts',
+                                 self.c.get('prompts_source', 'a file of prompts, one a line')))
     algo = rl_algorithms.get_algorithm(self.config.algorithm)
     if algo.uses_data and self.config.rl.data_beta > 0 and not self.config.data.get('base_samples', 0):
       out.append(preflight.Input('data.path', self.config.data.path, "the data term's records (the base's "
@@ -126,48 +117,14 @@ class PromptTask(base.FamilyTask):
                                  'python -m ddrl_jax.data.synthesize --config=<this config> --out=<dir>'))
     return out
 
-  # --------------------------------------------------------------------------------- hooks
-  def _make_encoder(self):
-    raise NotImplementedError
-
-  def _encode(self, encoder, prompts):
-    raise NotImplementedError
-
-  def text_shapes(self):
-    raise NotImplementedError
-
-  def _build_vae(self):
-    raise NotImplementedError
-
-  def _media_to_pixels(self, media_u8):
-    raise NotImplementedError
-
-  # ----------------------------------------------------------------------------------- text
+  # ----------------------------------------------------------------------------- conditions
   def encode_prompts(self, prompts):
-    """list[str] -> {record name: (B, ...)} float32 embeddings, each prompt encoded once per run."""
-    todo = [p for p in dict.fromkeys(prompts) if p not in self._cache]
-    if todo:
-      if self._encoder is None:
-        self._encoder = self._make_encoder()
-      out = self._encode(self._encoder, todo)
-      for i, p in enumerate(todo):
-        self._cache[p] = {k: np.asarray(v[i], np.float32) for k, v in out.items()}
-    return {field: np.stack([self._cache[p][field] for p in prompts]) for field in self.TEXT_FIELDS.values()}
+    """list[str] -> {record name: (B, ...)} float32 embeddings (the family's encoders, cached)."""
+    return self.family.encode_prompts(prompts)
 
   def _cond(self, prompts, guidance, given=None):
-    """Conditions of `prompts` at `guidance`; `given` {record name: (B, ...)} embeddings used as they are
-    when every text field is there."""
-    given = given or {}
-    if any(given.get(f) is None for f in self.TEXT_FIELDS.values()):
-      given = self.encode_prompts(prompts)
-    b = len(prompts)
-    cond = {name: jnp.asarray(given[field], jnp.float32) for name, field in self.TEXT_FIELDS.items()}
+    cond = self.family.text_conditions(prompts, guidance, given)
     cond['index'] = jnp.asarray([self._row.get(p, -1) for p in prompts], jnp.int32)
-    if self.family.cfg_on:
-      null = self.encode_prompts([''])
-      cond['guidance'] = jnp.full((b,), guidance, jnp.float32)
-      for name, field in self.TEXT_FIELDS.items():
-        cond[f'null_{name}'] = jnp.asarray(np.repeat(null[field], b, 0))
     return cond
 
   def _prompts_of(self, key, batch, pool):
@@ -185,13 +142,7 @@ class PromptTask(base.FamilyTask):
     return self._cond(prompts, self.c.guidance_eval)
 
   def abstract_conditions(self, batch):
-    f32 = jnp.float32
-    text = {name: jax.ShapeDtypeStruct((batch,) + tuple(shape), f32) for name, shape in self.text_shapes().items()}
-    out = dict(text, index=jax.ShapeDtypeStruct((batch,), jnp.int32))
-    if self.family.cfg_on:
-      out['guidance'] = jax.ShapeDtypeStruct((batch,), f32)
-      out.update({f'null_{name}': s for name, s in text.items()})
-    return out
+    return dict(self.family.abstract_text_conditions(batch), index=jax.ShapeDtypeStruct((batch,), jnp.int32))
 
   def prompts(self, cond):
     """The prompt of each condition (training and held-out prompts; records' own prompts need not be in
@@ -199,7 +150,7 @@ class PromptTask(base.FamilyTask):
     out = []
     for i in np.asarray(cond['index']):
       if not 0 <= i < len(self.all_prompts):
-        raise ValueError(f'condition index {i}: not a prompt of config.{self.SECTION}.prompts')
+        raise ValueError(f'condition index {i}: not a prompt of config.prompt.prompts')
       out.append(self.all_prompts[int(i)])
     return out
 
@@ -219,61 +170,60 @@ class PromptTask(base.FamilyTask):
     x0 = np.asarray(batch['sample'], np.float32)
     if x0.shape[1:] != tuple(self.sample_shape):
       raise ValueError(f'config.data.path: records hold samples of shape {x0.shape[1:]}, the task '
-                       f'needs {tuple(self.sample_shape)} ({self.SHAPE_KEY})')
+                       f'needs {tuple(self.sample_shape)} ({self.family.shape_key})')
     prompts = list(batch['prompt'])
-    cond = self._cond(prompts, self.c.guidance_rollout, {f: batch.get(f) for f in self.TEXT_FIELDS.values()})
-    want = tuple(self.text_shapes()['text'])
+    fields = self.family.TEXT_FIELDS
+    cond = self._cond(prompts, self.c.guidance_rollout, {f: batch.get(f) for f in fields.values()})
+    want = tuple(self.family.text_shapes()['text'])
     if cond['text'].shape[1:] != want:
       raise ValueError(f'config.data.path: text embeddings of shape {cond["text"].shape[1:]}, the task '
                        f'needs {want}')
     return cond, jnp.asarray(x0)
 
-  # ------------------------------------------------------------------------------- VAE
-  def _vae_fns(self):
-    if self._vae is None:
-      vae = self._build_vae()
-      if self.c.vae_checkpoint:
-        from ddrl_jax.tasks import video as video_task  # pylint: disable=g-import-not-at-top
-        video_task.restore_converted(vae, resolve(self.c.vae_checkpoint),
-                                     f'config.{self.SECTION}.vae_checkpoint')
-      self._vae = vae_functions(vae, self.DECODE_PERM)
-    return self._vae
-
+  # ------------------------------------------------------------------------------- media
   def decode(self, latents):
-    """(M, *sample_shape) latents -> (uint8 pixels, finite (M,)), in chunks of config.<section>.vae_batch
-    per local device (the last chunk zero-padded: one compiled shape)."""
-    _, _, decode_u8, local_state = self._vae_fns()
-    return hosts.in_chunks(decode_u8, local_state, np.asarray(latents, np.float32), self.c.vae_batch)
+    """(M, *sample_shape) latents -> (uint8 images (M, H, W, 3) or videos (M, F, H, W, 3), finite (M,))
+    (the family's VAE, in chunks)."""
+    return self.family.decode(latents)
 
   def encode_samples(self, media_u8):
-    """(B, *media_shape) uint8 media -> (B, *sample_shape) normalized latents (posterior mean), in chunks
-    of config.<section>.vae_batch (the last one zero-padded: one compiled shape)."""
-    media_u8 = np.asarray(media_u8)
-    if media_u8.dtype != np.uint8 or media_u8.shape[1:] != tuple(self.media_shape):
-      raise ValueError(f'encode_samples: expected (B, *{self.media_shape}) uint8, got {media_u8.shape} '
-                       f'{media_u8.dtype}')
-    state, encode, _, _ = self._vae_fns()
-    step = self.c.vae_batch
-    out = []
-    for s in range(0, media_u8.shape[0], step):
-      pixels = self._media_to_pixels(media_u8[s:s + step])
-      padded = np.zeros((step,) + pixels.shape[1:], np.float32)
-      padded[:len(pixels)] = pixels
-      out.append(np.asarray(encode(state, jnp.asarray(padded)), np.float32)[:len(pixels)])
-    return np.concatenate(out) if out else np.zeros((0,) + tuple(self.sample_shape), np.float32)
+    """(B, *media_shape) uint8 media -> (B, *sample_shape) normalized latents (the family's VAE)."""
+    return self.family.encode_samples(media_u8)
 
   # -------------------------------------------------------------------- rewards and evaluation
   def reward_inputs(self, samples, cond):
     del cond
     return self.decode(samples)
 
-  def _make_readers(self):
-    return ocr_task.readers_of(self.config)
+  @property
+  def eval_scores_with_rewards(self):
+    """A run training on rewards other than OCR (the PickScore / GenEval presets) is also evaluated by
+    them: the trainer passes `evaluate` a scorer of the run's rewards."""
+    return set(self.config.reward.fns) != {'ocr'}
 
-  def ocr_metrics(self, pixels, finite, cond):
+  def ocr_metrics(self, media, finite, cond):
     """OCR accuracy (Tesseract and RapidOCR, config.reward.kwargs' options) of decoded samples."""
-    self._readers = self._readers or self._make_readers()
-    return ocr_task.ocr_metrics_of(pixels, finite, self.prompts(cond), self._readers)
+    self._readers = self._readers or readers_of(self.config)
+    return ocr_task.ocr_metrics_of(media, finite, self.prompts(cond), self._readers)
+
+  def evaluate(self, samples, key, cond=None, score=None):
+    """OCR accuracy of the decoded held-out samples; with `score` (fn(media, prompts) -> {reward: (M,)}),
+    reward/<name>, each of the run's rewards' mean over the finite samples it could score; for videos the
+    mean temporal smoothness of the finite ones."""
+    del key
+    media, finite = self.decode(samples)
+    out = dict(finite_fraction=float(finite.mean()))
+    if cond is not None:
+      out = self.ocr_metrics(media, finite, cond)
+      if score is not None:
+        for name, values in score(media, self.prompts(cond)).items():
+          values = np.where(finite, np.asarray(values, np.float64), np.nan)
+          ok = np.isfinite(values)
+          out[f'reward/{name}'] = float(values[ok].mean()) if ok.any() else float('nan')
+    if self._smoothness is not None:
+      smooth = np.asarray(self._smoothness(media, None), np.float64)[finite]
+      out['temporal_smoothness'] = float(smooth.mean()) if smooth.size else float('nan')
+    return out
 
   # ---------------------------------------------------------------------------- records
   def prompt_set(self):
@@ -290,3 +240,6 @@ class PromptTask(base.FamilyTask):
       enc = self.encode_prompts([prompt])
       rec.update({field: value[0] for field, value in enc.items()})
     return rec
+
+
+TASK = PromptTask

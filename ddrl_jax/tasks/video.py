@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddrl_jax import parallel
-from ddrl_jax.models import convert
+from ddrl_jax.models import pipeline as pipeline_lib
 from ddrl_jax.models import text as text_lib
 from ddrl_jax.models.wan import vae as wan_vae
 from ddrl_jax.parallel import hosts
@@ -109,13 +109,7 @@ def vae_config(c):
   return presets[c.vae](**kw)
 
 
-def restore_converted(module, ckpt_dir, key):
-  """Loads converted parameters (`python -m ddrl_jax.models.convert`) into `module`'s Params (not LoRA
-  adapters), in place; ValueError naming `key` when they do not fit."""
-  state = nnx.state(module, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
-  host = convert.load_converted_like(ckpt_dir, nnx.to_pure_dict(state), key)
-  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, host))
-  nnx.update(module, state)
+restore_converted = pipeline_lib.restore_converted
 
 
 def render_square_video(item, frames, height, width):
@@ -182,26 +176,9 @@ class CosmosVideo(base.FamilyTask):
       vae = wan_vae.WanVAE(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
       if self.c.vae_checkpoint:
         restore_converted(vae, self.c.vae_checkpoint, 'config.cosmos.vae_checkpoint')
-      graphdef, state = nnx.split(vae)
-
-      @jax.jit
-      def encode(s, video):
-        m = nnx.merge(graphdef, s)
-        return m.normalize_latents(m.encode(video))
-
-      def decode_u8(s, z):
-        m = nnx.merge(graphdef, s)
-        z = z.astype(jnp.float32)
-        video = m.decode(m.denormalize_latents(jnp.nan_to_num(z)))
-        finite = jnp.isfinite(z).reshape(z.shape[0], -1).all(-1) & \
-            jnp.isfinite(video).reshape(video.shape[0], -1).all(-1)
-        u8 = jnp.round((jnp.nan_to_num(video) + 1.0) * 127.5).clip(0, 255).astype(jnp.uint8)
-        return u8, finite
-
-      # Decoding runs on this host's rollouts, split over all of its devices.
-      decode_u8 = hosts.local_data_parallel(decode_u8)
+      # Decoding runs on this host's rollouts, split over all of its devices; videos stay (M, 3, F, H, W).
+      state, encode, decode_u8, self._vae_local_state = pipeline_lib.vae_functions(vae, (0, 1, 2, 3, 4))
       self._vae = (state, encode, decode_u8)
-      self._vae_local_state = decode_u8.place(state)
     return self._vae
 
   def dataset_latents(self):

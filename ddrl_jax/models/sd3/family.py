@@ -1,8 +1,13 @@
-"""SD3.5's MMDiT as a model family ('sd3'), and the SD3 converters (transformer and VAE).
+"""SD3.5 as a model family ('sd3'): the MMDiT, its pipeline (CLIP-L/G + T5 text encoders, the
+16-channel VAE, the condition schema), and the SD3 converters (transformer and VAE).
 
 Reads config.sd3 (configs/sd35m.py): the MMDiT preset ('sd35_medium', 'sd35_large', 'tiny') and overrides,
-dtypes, remat, the attention kernel, the converted checkpoint, the text sequence length and the
-classifier-free-guidance policy.
+dtypes, remat, the attention kernel, the converted checkpoint, the text encoders' folder and the T5
+sequence length, the VAE preset and its converted checkpoint, and the image resolution. The guidance
+scales are the prompt task's (config.prompt.guidance_rollout / guidance_eval).
+
+Samples: (16, R/8, R/8) normalized SD3-VAE latents of R x R images (config.sd3.resolution); media: one
+(1, R, R, 3) uint8 image.
 
 Velocity adapter. SD3 is a rectified flow x_sigma = (1 - sigma) x0 + sigma eps whose network predicts
 eps - x0 from timestep = 1000 sigma, i.e. exactly the library's convention with t = sigma. Conditions
@@ -15,8 +20,10 @@ evaluation each use the scale their conditions carry (the task sets them from th
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddrl_jax.models import family as family_lib
+from ddrl_jax.models import pipeline as pipeline_lib
 from ddrl_jax.models.sd3 import convert as sd3_convert
 from ddrl_jax.models.sd3 import mmdit
 from ddrl_jax.models.sd3 import vae as sd3_vae
@@ -24,6 +31,7 @@ from ddrl_jax.models.sd3 import vae_convert
 from ddrl_jax.parallel import rules as rules_lib
 
 PRESETS = {'sd35_medium': mmdit.sd35_medium, 'sd35_large': mmdit.sd35_large, 'tiny': mmdit.tiny}
+VAE_PRESETS = {'sd35': sd3_vae.sd35, 'tiny': sd3_vae.tiny}
 CLIP_TOKENS = 77            # CLIP-L/G's sequence, before T5's max_sequence_length tokens
 
 # The MMDiT's logical names beyond the shared ones (parallel/rules.py).
@@ -33,6 +41,26 @@ LOGICAL_RULES = {k: v for k, v in mmdit.LOGICAL_RULES.items() if k not in rules_
 def dit_config(c):
   """MMDiTConfig from config.sd3: preset + overrides + dtypes, remat and attention kernel."""
   return family_lib.preset_config(PRESETS, c, 'config.sd3')
+
+
+def vae_config(c):
+  """The VAE config of config.sd3.vae (a VAE_PRESETS key) with config.sd3.vae_overrides."""
+  if c.vae not in VAE_PRESETS:
+    raise ValueError(f'config.sd3.vae={c.vae!r}: unknown preset; known: {sorted(VAE_PRESETS)}')
+  kw = dict(c.vae_overrides) if c.get('vae_overrides') else {}
+  return VAE_PRESETS[c.vae](**kw)
+
+
+def text_encoders(c):
+  """The SD3 text encoders of config.sd3.text_encoders: a diffusers pipeline folder, or 'tiny_random'
+  (tiny random CLIP-L/G + T5 built in-process, for the CPU smoke run)."""
+  from ddrl_jax.models.sd3 import text as text_lib  # pylint: disable=g-import-not-at-top
+  if c.text_encoders == 'tiny_random':
+    return text_lib.tiny_random(seed=c.text_seed)
+  if not c.text_encoders:
+    raise ValueError('config.sd3.text_encoders is empty: give a diffusers SD3.5 pipeline folder (with '
+                     "text_encoder/, text_encoder_2/, text_encoder_3/ and tokenizers) or 'tiny_random'")
+  return text_lib.SD3TextEncoders.from_pretrained(pipeline_lib.resolve(c.text_encoders))
 
 
 def text_tokens(c):
@@ -64,17 +92,61 @@ def dit_exporter(dit):
                                                                     with_pos_embed=True))
 
 
-class SD3Family(family_lib.SectionFamily):
-  """The MMDiT of SD3 / SD3.5 on (16, H/8, W/8) latents, from config.sd3."""
+class SD3Family(family_lib.SectionFamily, pipeline_lib.LatentPipeline):
+  """The MMDiT of SD3 / SD3.5 on (16, H/8, W/8) latents with its text encoders and VAE, from config.sd3."""
 
   name = 'sd3'
   section = 'sd3'
   LOGICAL_RULES = LOGICAL_RULES
   resume_safe_keys = ('sd3.checkpoint', 'sd3.vae_checkpoint', 'sd3.text_encoders')
+  TEXT_FIELDS = {'text': 'text_embedding', 'pooled': 'pooled_embedding'}
+  DECODE_PERM = (0, 2, 3, 1)             # (M, 3, H, W) -> (M, H, W, 3)
+  vae_checkpoint_key = 'config.sd3.vae_checkpoint'
+  weights_source = '<diffusers SD3.5 folder>'
+  text_encoder_key = 'sd3.text_encoders'
+  convert_vae = 'sd35_vae'
+  shape_key = 'config.sd3.resolution'
 
   def __init__(self, config):
-    self.c = config.sd3
-    self.dit = dit_config(self.c)
+    self.config = config
+    self.c = c = config.sd3
+    self.dit = dit_config(c)
+    self.vae_cfg = vae_config(c)
+    factor = self.vae_cfg.spatial_factor
+    if c.resolution % (factor * self.dit.patch_size):
+      raise ValueError(f'config.sd3.resolution={c.resolution}: not a multiple of the VAE factor {factor} '
+                       f'x patch {self.dit.patch_size}')
+    if self.vae_cfg.latent_channels != self.dit.in_channels:
+      raise ValueError(f'config.sd3: VAE latent channels {self.vae_cfg.latent_channels} != MMDiT '
+                       f'in_channels {self.dit.in_channels}')
+    side = c.resolution // factor
+    self.sample_shape = (self.dit.in_channels, side, side)
+    self.media_shape = (1, c.resolution, c.resolution, 3)
+    self.text_length = text_tokens(c)
+    self.vae_checkpoint = c.vae_checkpoint
+    self.vae_batch = c.vae_batch
+
+  # ------------------------------------------------------------------------------ pipeline
+  def make_text_encoder(self):
+    return text_encoders(self.c)
+
+  def encode_text(self, encoder, prompts):
+    text, pooled = encoder.encode(prompts, max_sequence_length=self.c.max_sequence_length)
+    return dict(text_embedding=text, pooled_embedding=pooled)
+
+  def text_shapes(self):
+    return dict(text=(self.text_length, self.dit.joint_attention_dim), pooled=(self.dit.pooled_projection_dim,))
+
+  def build_vae(self):
+    return sd3_vae.SD3VAE(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
+
+  def media_to_pixels(self, media_u8):
+    """(B, 1, R, R, 3) uint8 -> (B, 3, R, R) float32 in [-1, 1]."""
+    return np.transpose(media_u8[:, 0].astype(np.float32) / 127.5 - 1.0, (0, 3, 1, 2))
+
+  def convert_models(self):
+    """The converter model names of this family's DiT (by config.sd3.model) and VAE."""
+    return self.c.model, self.convert_vae
 
   def build(self, key):
     return mmdit.MMDiT(self.dit, rngs=nnx.Rngs(key))
