@@ -1,6 +1,6 @@
 """FlowGRPO's OCR text-rendering reward, read by Tesseract (`OCRReward`) or by RapidOCR (`RapidOCRReward`).
 
-Score (FlowGRPO flow_grpo/ocr.py and cosmos-rl's reward service; ../shared/data/ocr/README.md):
+Score (FlowGRPO flow_grpo/ocr.py and cosmos-rl's reward service):
   target     = the text inside the prompt's first pair of double quotes (the whole prompt if it has none),
                whitespace removed, lower-cased;
   recognized = the texts the reader reads with confidence > min_confidence (FlowGRPO keeps PaddleOCR
