@@ -70,7 +70,7 @@ from configs import cosmos2b  # pylint: disable=g-import-not-at-top,wrong-import
 from ddrl_jax import aot  # pylint: disable=wrong-import-position
 from ddrl_jax import config as config_lib  # pylint: disable=wrong-import-position
 from ddrl_jax import flops as flops_lib  # pylint: disable=wrong-import-position
-from ddrl_jax import optim  # pylint: disable=wrong-import-position
+from ddrl_jax import program as program_lib  # pylint: disable=wrong-import-position
 from ddrl_jax import parallel  # pylint: disable=wrong-import-position
 from ddrl_jax import tasks  # pylint: disable=wrong-import-position
 from ddrl_jax import update as update_lib  # pylint: disable=wrong-import-position
@@ -268,19 +268,10 @@ def build(config, device):
   config_lib.validate(config, 1)
   mesh = parallel.make_mesh(config.mesh, [device])
   task = tasks.get_task(config)
-  plan = parallel.ShardingPlan.for_model(config, mesh, task.family)
-  optimizer = optim.make_optimizer(config.optim)
-  apply_fn, abstract_params = task.abstract_params(jax.random.key(config.seed))
-  trained, frozen = lora_lib.split(abstract_params, lora_lib.from_config(config))
-  if frozen is not None and task.cast_params is not None:    # the frozen base in the compute dtype
-    frozen = jax.eval_shape(task.cast_params, frozen)
-  abstract_state = jax.eval_shape(lambda p, f: update_lib.init_train_state(p, config, optimizer, f),
-                                  trained, frozen)
-  state_sh = plan.state(abstract_state, optimizer)
-  fns = update_lib.build_step_fns(config, plan, state_sh, apply_fn, update_lib.make_sampler(config),
-                                  task.sample_shape, optimizer, task.cast_params)
-  args = aot.abstract_inputs(config, plan, task, fns, state_sh, abstract_state)
-  return task, fns, args, state_sh, optimizer
+  program = program_lib.assemble(config, task, mesh, jax.random.key(config.seed))   # the trainer's program
+  fns = program.step_fns()
+  args = aot.abstract_inputs(config, program.plan, task, fns, program.state_shardings, program.abstract_state)
+  return task, fns, args, program.state_shardings, program.optimizer
 
 
 def init_state(task, config, optimizer, state_sh, seed):

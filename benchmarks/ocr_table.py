@@ -125,7 +125,7 @@ LORA_LEARNING_RATE = 1e-3     # 10x the full fine-tuning rate of configs/ocr_tin
 # steps 0, 2, ..., 8 instead of 9, no zero-advantage dropping).
 ARMS = {
     'ddrl_data_only': ('ddrl', {'rl.pg_weight': 0.0}),
-    'flow_grpo_ddrl_recipe': ('flow_grpo_exact_kl', {'rl.adv_normalization': 'cosmos',
+    'flow_grpo_ddrl_recipe': ('flow_grpo_exact_kl', {'rl.adv_normalization': 'cosmos_rl',
                                                      'rl.drop_zero_advantages': False,
                                                      'rl.train_steps': (0, 2, 4, 6, 8)}),
     # DDRL regularized by the shifted base's own samples (Table 4's setting on the shifted base).

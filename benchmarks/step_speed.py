@@ -333,7 +333,7 @@ def public_grad_fn(graphdef, config, sampler, form='public'):
   grads)."""
   r = config.rl
   apply_fn = cosmos_family.make_video_apply_fn(graphdef, config.cosmos.cond_timestep)
-  kw = dict(clip_range=r.clip_range, log_ratio_form=r.log_ratio or 'cosmos', loss_scale=r.loss_scale,
+  kw = dict(clip_range=r.clip_range, log_ratio_form=r.log_ratio or 'cosmos_rl', loss_scale=r.loss_scale,
             old_mean=r.old_mean)
 
   def loss_fn(p, traj, advantages, steps, cond, data, key):

@@ -45,13 +45,13 @@ def base_config():
       train_fraction=0.6,       # random-step algorithms: fraction of the candidate steps per rollout
       clip_range=1e-4,
       adv_clip=5.0, adv_eps=1e-4,
-      adv_normalization='cosmos',  # 'cosmos', 'flow_grpo' or 'dance_grpo' (ddrl_jax/rl/advantages.py)
+      adv_normalization='cosmos_rl',  # 'cosmos_rl', 'flow_grpo', 'dance_grpo' (ddrl_jax/rl/advantages.py)
       adv_global_std=True,      # 'flow_grpo' normalization: std of the whole batch (else per prompt)
       adv_transform='',         # '' (z-score), 'neg_exp' (-exp(-A)), 'exact' (-exp(-(r - Z)/beta))
       failed_advantage='zero',  # failed samples: 'zero' (A = 0) or 'transformed_zero' (cosmos-rl: lambda(0))
       exact_beta=1.0,           # beta of the 'exact' transform
       exact_log_partition=ml_collections.FieldReference(None, field_type=float),  # Z; None: group est.
-      log_ratio='',             # '' = algorithm default ('cosmos' for ddrl, 'gaussian' otherwise)
+      log_ratio='',             # '' = algorithm default ('cosmos_rl' for ddrl, 'gaussian' otherwise)
       old_mean='rollout',       # 'rollout' (stored means) or 'detached' (exactly on-policy ratio)
       drop_zero_advantages=False,  # FlowGRPO: rollouts with advantage exactly 0 leave the update
       pg_weight=1.0,            # the policy gradient's weight; 0 = a data-term-only (or KL-only) control
@@ -59,7 +59,7 @@ def base_config():
       data_loss_steps='full',   # 'full', 'first' (cosmos-rl data_on_first_only) or 'random_step'
       data_noise='rollout',     # 'rollout' or 'fresh'
       cond_dropout=0.2,
-      data_weighting='cosmos',  # 'cosmos' (t^2+(1-t)^2), 'path_kl', 'eps_mse' (the paper's, (1-t)^2), 'none'
+      data_weighting='cosmos_rl',  # 'cosmos_rl' (t^2+(1-t)^2), 'path_kl', 'eps_mse' (paper's, (1-t)^2), 'none'
       kl_beta=0.0,
       kl_form='exact',          # 'exact' (Gaussian step KL) or 'flow_grpo' (FlowGRPO's code: x |dt|)
       loss_scale=10.0,
@@ -211,7 +211,7 @@ def apply_algorithm_preset(config, preset):
     #     0 (e.g. every member of a zero-std group) removed from the update batch, the clamp at +-5.
     # flow_grpo_exact_kl differs only in the KL: the exact Gaussian step KL at the same kl_beta, |1/dt|
     # times stronger (10x at 10 uniform steps). Runs made before these presets existed used it together
-    # with adv_normalization='cosmos' and drop_zero_advantages=False.
+    # with adv_normalization='cosmos_rl' and drop_zero_advantages=False.
     config.algorithm = 'flow_grpo'
     rl.kl_beta = 0.04
     rl.kl_form = 'flow_grpo' if preset == 'flow_grpo' else 'exact'

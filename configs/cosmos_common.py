@@ -114,9 +114,9 @@ def get_config(model, arg=''):
   rl = c.rl
   rl.clip_range = 1e-4
   rl.adv_clip, rl.adv_eps, rl.adv_transform = 5.0, 1e-4, ''
-  rl.adv_normalization = 'cosmos'
+  rl.adv_normalization = 'cosmos_rl'
   rl.drop_zero_advantages = False
-  rl.log_ratio = 'cosmos'
+  rl.log_ratio = 'cosmos_rl'
   rl.old_mean = 'rollout'
   rl.loss_scale = 10.0
   rl.kl_beta = 0.0
@@ -126,7 +126,7 @@ def get_config(model, arg=''):
     rl.data_loss_steps = 'full'
     rl.data_noise = 'rollout'                   # use_rl_sigma_and_noise
     rl.cond_dropout = 0.2
-    rl.data_weighting = 'cosmos'
+    rl.data_weighting = 'cosmos_rl'
   elif algorithm == 'dance_grpo':
     rl.train_steps = tuple(range(19))           # candidates; 12 drawn per rollout
     rl.train_fraction = 0.65                    # int(0.65 * 19) = 12

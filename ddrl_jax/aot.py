@@ -46,7 +46,7 @@ from ddrl_jax import cli
 from ddrl_jax import config as config_lib
 from ddrl_jax import console
 from ddrl_jax import distributed
-from ddrl_jax import optim
+from ddrl_jax import program as program_lib
 from ddrl_jax import parallel
 from ddrl_jax import tasks
 from ddrl_jax import trainer as trainer_lib
@@ -182,20 +182,11 @@ def compile_report(config, topology, num_slices=1, fns=None, compiler_options=No
   platform = devices[0].platform
   mesh = parallel.make_mesh(config.mesh, devices)
   family = task.family
-  plan = parallel.ShardingPlan.for_model(config, mesh, family)
-  optimizer = optim.make_optimizer(config.optim)
-  apply_fn, abstract_params = task.abstract_params(jax.random.key(0))
-  trained, frozen = lora_lib.split(abstract_params, lora_lib.from_config(config))
-  cast = task.cast_params
-  if frozen is not None and cast is not None:     # the frozen base is kept in the compute dtype
-    frozen = jax.eval_shape(cast, frozen)
-  abstract_state = jax.eval_shape(
-      lambda p, f: trainer_lib.init_train_state(p, config, optimizer, f), trained, frozen)
-  state_sh = plan.state(abstract_state, optimizer)
+  program = program_lib.assemble(config, task, mesh, jax.random.key(0))     # what the trainer runs
+  plan, abstract_state, state_sh = program.plan, program.abstract_state, program.state_shardings
   params_report = plan.check_params(lora_lib.combine(abstract_state.params, abstract_state.frozen),
                                     lora_lib.combine(state_sh.params, state_sh.frozen))
-  step_fns = trainer_lib.build_step_fns(config, plan, state_sh, apply_fn, trainer_lib.make_sampler(config),
-                                        task.sample_shape, optimizer, task.cast_params)
+  step_fns = program.step_fns()
   args = abstract_inputs(config, plan, task, step_fns, state_sh, abstract_state)
   text_encoder = device_text_encoder(task)
   fns = tuple(fns) if fns is not None else FUNCTIONS + ((TEXT_ENCODER,) if text_encoder else ())

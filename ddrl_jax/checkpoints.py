@@ -32,7 +32,7 @@ SAFE_TO_CHANGE = (
 # Keys added after checkpoints were first written, with the value that reproduces how those runs
 # trained: a saved config without the key reads as this value, so such checkpoints still resume.
 ADDED_KEY_DEFAULTS = {
-    'rl.adv_normalization': 'cosmos', 'rl.adv_global_std': True, 'rl.failed_advantage': 'zero',
+    'rl.adv_normalization': 'cosmos_rl', 'rl.adv_global_std': True, 'rl.failed_advantage': 'zero',
     'rl.drop_zero_advantages': False, 'rl.kl_form': 'exact', 'rl.nft_beta': 1.0, 'rl.nft_old_decay': 1,
     'lora.rank': 0, 'model_family': '', 'sampler.eval_num_steps': 0, 'sampler.eval_deterministic': False,
     'eval_videos': 4, 'eval_video_fps': 8,   # logging only (SAFE_TO_CHANGE): today's defaults
@@ -137,6 +137,7 @@ def config_differences(saved, current, extra_safe=()):
   if any(k.startswith('rl.') for k in a):       # a trainer config written before those keys existed
     for key, value in ADDED_KEY_DEFAULTS.items():
       a.setdefault(key, value)
+  a, b = moved_keys.canonical(a), moved_keys.canonical(b)      # 'cosmos' == 'cosmos_rl'
   diffs = [(k, a.get(k, '<absent>'), b.get(k, '<absent>')) for k in sorted(set(a) | set(b))
            if a.get(k, '<absent>') != b.get(k, '<absent>')]
   if a.get('lora.rank', 0) == 0 and b.get('lora.rank', 0) == 0:   # no adapters: their settings are moot

@@ -5,12 +5,10 @@ from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.parallel import mesh as mesh_lib
 from ddrl_jax.parallel import plan as plan_lib
 from ddrl_jax.parallel import rules as rules_lib
-from ddrl_jax.rl import advantages
-from ddrl_jax.rl import algorithms
-from ddrl_jax.rl import diffusion_loss
-from ddrl_jax.rl import nft
+from ddrl_jax.rl import options as rl_options
+from ddrl_jax.rl import registry as algorithms
 
-ADV_TRANSFORMS = ('', 'neg_exp', 'exact')
+ADV_TRANSFORMS = rl_options.ADV_TRANSFORMS
 
 
 class ConfigError(ValueError):
@@ -70,53 +68,23 @@ def validate(config, num_devices):
   _check(eval_steps == 0 or eval_steps >= 2, 'sampler.eval_num_steps', eval_steps,
          'need 0 (the training sampler) or >= 2 evaluation steps')
   rl = config.rl
-  _check(rl.clip_range > 0, 'rl.clip_range', rl.clip_range, 'the PPO clip range must be > 0')
+  try:
+    options = rl_options.RLOptions.from_mapping(rl)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f'config.rl: {e}') from None
+  for key, value, why in options.problems():
+    _check(False, f'rl.{key}', value, why)
   steps = train_steps(config)
   _check(len(steps) > 0, 'rl.train_steps', steps, 'no trained steps')
   bad = [s for s in steps if not 0 <= s < num_steps]
   _check(not bad, 'rl.train_steps', steps,
          f'indices {bad} are outside [0, T) with T = sampler.num_steps = {num_steps}')
   _check(len(set(steps)) == len(steps), 'rl.train_steps', steps, 'duplicate step indices')
-  if kind in ('cosmos_2ab', 'ddim') and algo.objective != 'nft':   # NFT re-noises clean samples
+  if kind in ('cosmos_2ab', 'ddim') and algo.trains_transitions:
     _check(num_steps - 1 not in steps, 'rl.train_steps', steps,
            f'step T-1 = {num_steps - 1} of {kind} is deterministic (no Gaussian transition to train)')
-  _check(0 < rl.train_fraction <= 1, 'rl.train_fraction', rl.train_fraction, 'must be in (0, 1]')
-  _check(rl.adv_transform in ADV_TRANSFORMS, 'rl.adv_transform', rl.adv_transform,
-         f'known: {ADV_TRANSFORMS}')
-  if rl.adv_transform == 'exact':
-    _check(rl.exact_beta > 0, 'rl.exact_beta', rl.exact_beta, 'must be > 0')
-  _check(rl.adv_normalization in advantages.NORMALIZATIONS, 'rl.adv_normalization',
-         rl.adv_normalization, f'known: {advantages.NORMALIZATIONS}')
-  _check(rl.adv_eps > 0, 'rl.adv_eps', rl.adv_eps, 'must be > 0 (it keeps a zero-std group finite)')
-  _check(rl.failed_advantage in advantages.FAILED_MODES, 'rl.failed_advantage', rl.failed_advantage,
-         f'known: {advantages.FAILED_MODES}')
-  _check(rl.log_ratio in ('', 'cosmos', 'gaussian'), 'rl.log_ratio', rl.log_ratio,
-         "known: '', 'cosmos', 'gaussian'")
-  _check(rl.old_mean in ('rollout', 'detached'), 'rl.old_mean', rl.old_mean,
-         "known: 'rollout', 'detached'")
-  _check(rl.data_beta >= 0, 'rl.data_beta', rl.data_beta, 'must be >= 0')
-  _check(rl.data_loss_steps in algorithms.DATA_STEP_MODES, 'rl.data_loss_steps', rl.data_loss_steps,
-         f"known: {algorithms.DATA_STEP_MODES} ('reduced' = 'random_step')")
-  _check(rl.data_noise in ('rollout', 'fresh'), 'rl.data_noise', rl.data_noise,
-         "known: 'rollout', 'fresh'")
-  _check(rl.data_weighting in diffusion_loss.WEIGHTINGS, 'rl.data_weighting',
-         rl.data_weighting, f'known: {diffusion_loss.WEIGHTINGS}')
-  _check(0 <= rl.cond_dropout < 1, 'rl.cond_dropout', rl.cond_dropout, 'must be in [0, 1)')
-  _check(rl.kl_beta >= 0, 'rl.kl_beta', rl.kl_beta, 'must be >= 0')
-  _check(rl.kl_form in algorithms.KL_FORMS, 'rl.kl_form', rl.kl_form, f'known: {algorithms.KL_FORMS}')
-  if algo.objective == 'clipped_pg' and algo.uses_reference and rl.kl_beta > 0:
-    _check(rl.kl_form != 'flow_grpo' or kind == 'flow_sde', 'rl.kl_form', rl.kl_form,
-           f"FlowGRPO's KL divides by its std_dev_t, which only the flow_sde sampler defines; "
-           f"sampler.kind is {kind!r} (use rl.kl_form='exact')")
-  if not algo.uses_reference:
-    _check(rl.kl_beta == 0, 'rl.kl_beta', rl.kl_beta,
-           f'{config.algorithm} holds no reference model; only flow_grpo and diffusion_nft use a KL')
-  if algo.objective == 'nft':
-    _check(rl.nft_beta > 0, 'rl.nft_beta', rl.nft_beta, 'must be > 0')
-    _check(rl.nft_old_decay in nft.OLD_DECAY_SCHEDULES, 'rl.nft_old_decay', rl.nft_old_decay,
-           f'known schedules: {sorted(nft.OLD_DECAY_SCHEDULES)}')
-    _check(rl.adv_clip is not None and rl.adv_clip > 0, 'rl.adv_clip', rl.adv_clip,
-           'diffusion_nft maps advantages in [-adv_clip, adv_clip] to [0, 1]; must be > 0')
+  for key, value, why in algo.problems(options, kind):
+    _check(False, f'rl.{key}', value, why)
   o = config.optim
   _check(o.learning_rate > 0, 'optim.learning_rate', o.learning_rate, 'must be > 0')
   _check(o.grad_clip > 0, 'optim.grad_clip', o.grad_clip, 'must be > 0')

@@ -169,9 +169,7 @@ def iteration_passes(config, nfe=None):
   algo = algorithms.get_algorithm(config.algorithm)
   k = trained_steps_per_rollout(config)
   nfe = sampler_nfe(config) if nfe is None else float(nfe)
-  reference = k if algo.uses_reference and config.rl.kl_beta > 0 else 0
-  if algo.objective == 'nft':
-    reference += k                  # DiffusionNFT's old-policy forward at every trained time
+  reference = algo.reference_passes(k, config.rl.kl_beta > 0)   # KL reference, an old policy
   data = 0
   if update_lib.uses_data_grads(config):
     data = 3 * algorithms.data_term_steps(config.rl.data_loss_steps, k)

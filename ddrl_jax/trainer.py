@@ -38,6 +38,7 @@ from ddrl_jax import optim
 from ddrl_jax import parallel
 from ddrl_jax import preemption
 from ddrl_jax import preflight
+from ddrl_jax import program as program_lib
 from ddrl_jax import rewards as rewards_lib
 from ddrl_jax import resume
 from ddrl_jax import rl as rl_lib
@@ -309,13 +310,9 @@ class Trainer:
     refused (the model's shapes must still match), and nothing is moved.
     """
     model_key = jax.random.fold_in(self.rng, 0x6D6F64)
-    self.apply_fn, abstract_params = self.task.abstract_params(model_key)
-    abstract_trained, abstract_frozen = lora_lib.split(abstract_params, self.lora)
-    if self.lora.enabled and not jax.tree.leaves(abstract_trained):
-      raise config_lib.ConfigError(
-          f'config.lora.rank={self.lora.rank}: task {self.config.task!r} has no LoRA adapters (its model '
-          'is not built from ddrl_jax.models.layers.Dense); use rank 0', 'lora.rank')
-    abstract_state = self._plan_state(abstract_trained, abstract_frozen)
+    self.program = program_lib.assemble(self.config, self.task, self.mesh, model_key, plan=self.plan)
+    self.apply_fn, self.optimizer = self.program.apply_fn, self.program.optimizer
+    abstract_state = self._plan_state(self.program)
     if (not read_only and self.mesh.devices.flat[0].platform != 'cpu'
         and not self.config.get('skip_memory_check', False)):
       self.check_step_memory()
@@ -333,13 +330,12 @@ class Trainer:
         self._initial_params(model_key) if restored is None or lora_on else None, self.lora)
     sh = self.state_shardings
     if restored is None:
-      init = jax.jit(lambda p, f: init_train_state(p, self.config, self.optimizer, self._frozen_cast(f)),
-                     in_shardings=(sh.params, sh.frozen), out_shardings=sh)
-      self.state = init(trained, frozen)  # fresh buffers: the donating update never frees the task's arrays
+      # Fresh buffers: the donating update never frees the task's arrays.
+      self.state = self.program.init_state(trained, frozen)
     else:
       self.rng = jax.random.wrap_key_data(restored.pop('rng'))
       if frozen is not None:
-        frozen = jax.jit(self._frozen_cast, in_shardings=(sh.frozen,), out_shardings=sh.frozen)(frozen)
+        frozen = jax.jit(self.program.keep_frozen, in_shardings=(sh.frozen,), out_shardings=sh.frozen)(frozen)
       if lora_on:
         self._check_base(restored.pop('base_fingerprint'), frozen)
       self.state = TrainState(**{f: restored.get(f) for f in TrainState._fields if f != 'frozen'},
@@ -359,26 +355,16 @@ class Trainer:
           f'(content hash {np.asarray(saved).tolist()}, this run\'s base {now.tolist()}); start from the '
           'base the run was trained from (the checkpoint\'s config names it) or a new workdir')
 
-  def _frozen_cast(self, frozen):
-    """The frozen base as it is kept: in the compute dtype (the task's `cast_params`: bf16 kernels of the
-    layers that compute in bf16, the float32 islands as they are), i.e. exactly the copy every step
-    would otherwise cast it to, in half the bytes."""
-    cast = self.task.cast_params
-    return frozen if frozen is None or cast is None else cast(frozen)
-
-  def _plan_state(self, abstract_params, abstract_frozen=None):
-    """Shardings of the train state by the logical rules, checked and logged (per-device bytes of the
-    trained parameters and, under LoRA, of the frozen base with them). Returns the abstract train state."""
-    if abstract_frozen is not None:
-      abstract_frozen = jax.eval_shape(self._frozen_cast, abstract_frozen)
-    abstract_state = jax.eval_shape(
-        lambda p, f: init_train_state(p, self.config, self.optimizer, f), abstract_params, abstract_frozen)
-    sh = self.state_shardings = self.plan.state(abstract_state, self.optimizer)
+  def _plan_state(self, program):
+    """The program's train-state shardings, checked and logged (per-device bytes of the trained
+    parameters and, under LoRA, of the frozen base with them). Returns the abstract train state."""
+    abstract_state = program.abstract_state
+    sh = self.state_shardings = program.state_shardings
     report = self.plan.check_params(lora_lib.combine(abstract_state.params, abstract_state.frozen),
                                     lora_lib.combine(sh.params, sh.frozen))
     opt = rules_lib.sharding_report(abstract_state.opt_state, self.state_shardings.opt_state)
     trained = ''
-    if abstract_frozen is not None:
+    if abstract_state.frozen is not None:
       adapters = rules_lib.sharding_report(abstract_state.params, sh.params)
       trained = (f' (LoRA adapters: {adapters["total_bytes"] / 2**20:.2f} MiB trained, the base frozen)')
     first = self.mesh.devices.flat[0]
@@ -388,7 +374,7 @@ class Trainer:
                 report['per_device_bytes'] / 2**30, report['total_bytes'] / 2**30,
                 100 * report['replicated_fraction'], trained, opt['per_device_bytes'] / 2**30)
     self.sharding_report = dict(params=report, opt_state=opt)
-    self.cast_params = self.task.cast_params
+    self.cast_params = program.cast_params
     self._check_memory(abstract_state, sh)
     return abstract_state
 
@@ -480,8 +466,7 @@ class Trainer:
 
   # --------------------------------------------------------------------------------------- loop
   def _build(self):
-    fns = build_step_fns(self.config, self.plan, self.state_shardings, self.apply_fn, self.sampler,
-                         self.task.sample_shape, self.optimizer, self.cast_params)
+    fns = self.program.step_fns()
     self._rollout, self._sample = fns.rollout, fns.sample
     self._data_grads, self._update = fns.data_grads, fns.update
     self._compiled = False

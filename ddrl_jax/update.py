@@ -16,7 +16,6 @@ from ddrl_jax import parallel
 from ddrl_jax import rl as rl_lib
 from ddrl_jax import sampling
 from ddrl_jax.models import lora as lora_lib
-from ddrl_jax.rl import nft
 
 
 class TrainState(NamedTuple):
@@ -117,7 +116,7 @@ def init_train_state(params, config, optimizer, frozen=None):
       step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
       ema_params=copy(params) if config.optim.ema_power_s else None,
       ref_params=copy(params) if full and algo.uses_reference and config.rl.kl_beta > 0 else None,
-      old_params=copy(params) if algo.objective == 'nft' else None,
+      old_params=algo.init_old(params),
       frozen=frozen)
 
 
@@ -192,14 +191,10 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
     ref = None if state.ref_params is None else cast_params(state.ref_params)
     if state.frozen is not None and algo.uses_reference and rl.kl_beta > 0:
       ref = jax.tree.map(jnp.zeros_like, trained)    # the base: adapters contribute exactly 0
-    if algo.objective == 'nft':
-      _, metrics, grads = nft.nft_loss_and_grad(
-          apply, trained, cast_params(state.old_params), ref, traj, advantages,
-          steps, rollout.cond, k_loss, beta=rl.nft_beta, adv_clip_max=rl.adv_clip, kl_beta=rl.kl_beta,
-          loss_scale=rl.loss_scale, valid=jnp.isfinite(rewards).all(-1))
-    else:
-      _, metrics, grads = algo.loss_and_grad(apply, trained, ref, sampler, traj,
-                                             advantages, steps, rollout.cond, None, k_loss, options)
+    old = None if state.old_params is None else cast_params(state.old_params)
+    _, metrics, grads = algo.loss_and_grad(apply, trained, ref, sampler, traj, advantages, steps, rollout.cond,
+                                           None, k_loss, options, old_params=old,
+                                           valid=jnp.isfinite(rewards).all(-1))
     if grads_data is not None:
       grads = jax.tree.map(jnp.add, grads, grads_data)
     grads, nonfinite = optim.zero_nonfinite(grads)
@@ -210,11 +205,8 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
       beta = optim.power_ema_beta(state.step, gamma)
       ema = optim.ema_update(ema, params, beta)
       metrics['ema_beta'] = beta
-    old = state.old_params
-    if old is not None:
-      decay = nft.old_decay(state.step + 1, rl.nft_old_decay)
-      old = nft.update_old_params(old, params, decay)
-      metrics['nft_old_decay'] = decay
+    old, old_metrics = algo.update_old(state.old_params, params, state.step, options)
+    metrics.update(old_metrics)
     failed = ~jnp.isfinite(rewards).all(-1)   # any non-finite reward = failed sample (advantage 0)
     valid = jnp.where(failed[..., None], 0.0, rewards)
     # Means over the valid samples; NaN when none is valid (not 0, which would look like a score).

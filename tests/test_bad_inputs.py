@@ -138,10 +138,17 @@ def test_every_key_validate_checks_has_a_row():
   for node in ast.walk(tree):
     if isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple):   # for key in ('a', 'b'): ...
       loops[node.target.id] = {e.value for e in node.iter.elts}
+  from ddrl_jax.rl import options, registry  # pylint: disable=g-import-not-at-top
+  # f'rl.{key}': the rl keys RLOptions.problems and the algorithms' `problems` check.
+  rl_keys = set(options.CHECKED_KEYS).union(*(a.CHECKED_KEYS for a in registry.ALGORITHMS.values()))
   for node in ast.walk(tree):
     if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == '_check':
       key = node.args[1]
-      checked |= {key.value} if isinstance(key, ast.Constant) else loops[key.id]
+      if isinstance(key, ast.JoinedStr):
+        assert ast.unparse(key) == "f'rl.{key}'", ast.unparse(key)
+        checked |= {f'rl.{k}' for k in rl_keys}
+      else:
+        checked |= {key.value} if isinstance(key, ast.Constant) else loops[key.id]
   rows = {k for _, o, _ in VALIDATE for k in o}
   assert len(checked) > 30
   assert checked <= rows, f'validated keys without a bad-input row: {sorted(checked - rows)}'

@@ -237,18 +237,19 @@ def test_wan_original_names_match_diffusers_own_mapping():
   from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
   c = wan_vae.wan21()
   keys = _wan_original_keys(c.base_dim, c.z_dim, c.dim_mult, c.num_res_blocks, c.temperal_downsample)
-  ours = cv.wan_original_to_diffusers({k: k for k in keys}, c)
+  ours = wan_vae_convert.wan_original_to_diffusers({k: k for k in keys}, c)
   theirs = convert_wan_vae_to_diffusers({k: k for k in keys})
   assert ours == theirs
   with torch.device('meta'):
     names = set(diffusers.AutoencoderKLWan().state_dict())
-  assert set(ours) == names and cv.is_wan_original(keys) and not cv.is_wan_original(names)
+  assert set(ours) == names and wan_vae_convert.is_wan_original(keys)
+  assert not wan_vae_convert.is_wan_original(names)
 
 
 def test_wan_original_pth(wan_torch, tmp_path):
   """A tiny `Wan2.1_VAE.pth`-style file (original names, bf16) -> CLI -> equals the diffusers conversion."""
   keys = _wan_original_keys(WAN.base_dim, WAN.z_dim, WAN.dim_mult, WAN.num_res_blocks, WAN.temperal_downsample)
-  rename = cv.wan_original_to_diffusers({k: k for k in keys}, WAN)
+  rename = wan_vae_convert.wan_original_to_diffusers({k: k for k in keys}, WAN)
   diff_sd = wan_torch.state_dict()
   assert set(rename) == set(diff_sd)
   sd = {orig: diff_sd[new].detach().to(torch.bfloat16) for new, orig in rename.items()}

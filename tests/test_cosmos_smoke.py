@@ -160,7 +160,7 @@ def test_full_config_recipe(module, lr, devices, mesh, dit):
   rl = c.rl
   assert (rl.data_beta, rl.kl_beta, rl.clip_range, rl.loss_scale) == (0.01, 0.0, 1e-4, 10.0)
   assert (rl.cond_dropout, rl.data_noise, rl.data_loss_steps, rl.log_ratio) == (0.2, 'rollout', 'full',
-                                                                               'cosmos')
+                                                                               'cosmos_rl')
   o = c.optim
   assert (o.learning_rate, o.b1, o.b2, o.weight_decay, o.eps) == (lr, 0.9, 0.99, 1e-4, 1e-8)
   assert (o.warmup_steps, o.warmup_init_factor, o.grad_clip, o.ema_power_s) == (50, 1e-6, 1.0, 0.1)

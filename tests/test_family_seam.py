@@ -21,16 +21,25 @@ from ddrl_jax.tasks import base
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ['ddrl_jax/config.py', 'ddrl_jax/aot.py', 'ddrl_jax/checkpoints.py', 'ddrl_jax/resume.py',
-        'ddrl_jax/update.py', 'ddrl_jax/trainer.py'] + sorted(
-            f'ddrl_jax/parallel/{n}' for n in os.listdir(os.path.join(ROOT, 'ddrl_jax/parallel'))
+        'ddrl_jax/update.py', 'ddrl_jax/trainer.py', 'ddrl_jax/program.py', 'ddrl_jax/flops.py',
+        'ddrl_jax/pretrain.py', 'ddrl_jax/export_lora.py', 'ddrl_jax/models/convert.py',
+        'ddrl_jax/models/pipeline.py'] + sorted(
+            f'ddrl_jax/{d}/{n}' for d in ('parallel', 'data') for n in os.listdir(os.path.join(ROOT, 'ddrl_jax', d))
             if n.endswith('.py'))
+# Core files that still name a family, with what has to move first (a test keeps this list honest: a
+# file that no longer names one must leave it).
+NOT_YET_SEAMED = {
+    'ddrl_jax/evaluate.py': "its video and OCR-judge modes read config.cosmos / config.ocr; they move into "
+                            "their tasks' evaluation next",
+}
 # Callers of the task interface: no attribute probing left.
 TASK_CALLERS = CORE + ['ddrl_jax/pretrain.py', 'ddrl_jax/evaluate.py', 'ddrl_jax/export_lora.py',
                        'ddrl_jax/data/prepare.py', 'ddrl_jax/data/synthesize.py']
 
 # What naming a model family looks like: its modules, classes, config sections and the task modules that
-# hold them. ('cosmos' alone stays legal: 'cosmos_2ab', rl.log_ratio='cosmos' and
-# rl.adv_normalization='cosmos' are cosmos-rl's *algorithm* conventions, not the Cosmos network.)
+# hold them. ('cosmos' alone stays legal: 'cosmos_2ab' and the old spelling of rl.log_ratio /
+# rl.adv_normalization / rl.data_weighting = 'cosmos_rl', cosmos-rl's *algorithm* conventions, are not
+# the Cosmos network.)
 FAMILY_PATTERNS = [
     r'models\.(cosmos|wan|sd3|mlp)\b', r'models import (cosmos|wan|sd3|mlp)\b', r'\bcosmos_dit\b',
     r'\bcosmos_t2i\b', r'\bwan_vae\b', r'\bCosmos(DiT|T2I|Video)\b', r'\bWan(DiT|VAE)\b', r'\bMMDiT\b',
@@ -38,6 +47,10 @@ FAMILY_PATTERNS = [
     r"config\.(cosmos|ocr|toy2d)\b", r"\.get\('(cosmos|ocr|toy2d)'", r"'(cosmos|ocr)\.\w+'",
     r"\b(act_frames|crossattn_in|adaln)\b",
 ]
+# Every family's name. Both lists are matched against code only: comments and docstrings may describe
+# the models the core serves (ddrl_jax/models/family.py, the registry, is the one place that lists them).
+FAMILY_NAMES = [r'(?i)\bsd3\w*', r'(?i)\bsd35\w*', r'(?i)\bwan(\b|\d|_)', r'(?i)\bmmdit\b',
+                r'(?i)\bflux\w*', r"'cosmos_t2i'"]   # ('mlp' is also a logical axis name)
 
 
 def _code_lines(path):
@@ -46,11 +59,53 @@ def _code_lines(path):
     return list(enumerate(f.read().splitlines(), 1))
 
 
-@pytest.mark.parametrize('path', CORE)
+def _code_only(path):
+  """(line number, text) of a source file's code: comments and docstrings blanked out (string literals
+  that are not docstrings, such as error messages, stay)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  import tokenize  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(ROOT, path)) as f:
+    source = f.read()
+  lines = source.splitlines()
+  docstrings = set()
+  for node in ast.walk(ast.parse(source)):
+    body = getattr(node, 'body', None)
+    if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+        isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+      docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type == tokenize.COMMENT:
+      row, col = tok.start
+      lines[row - 1] = lines[row - 1][:col]
+  return [(n, line) for n, line in enumerate(lines, 1) if n not in docstrings]
+
+
+def _family_hits(path):
+  """Code lines of `path` that name a family (its modules, classes, config sections, or its name)."""
+  return [f'{path}:{n}: {line.strip()}' for n, line in _code_only(path)
+          for pattern in FAMILY_PATTERNS + FAMILY_NAMES if re.search(pattern, line)]
+
+
+@pytest.mark.parametrize('path', [p for p in CORE if p not in NOT_YET_SEAMED])
 def test_core_names_no_model_family(path):
-  hits = [f'{path}:{n}: {line.strip()}' for n, line in _code_lines(path)
-          for pattern in FAMILY_PATTERNS if re.search(pattern, line)]
+  hits = _family_hits(path)
   assert not hits, 'the core names a model family:\n' + '\n'.join(hits)
+
+
+@pytest.mark.parametrize('path', sorted(NOT_YET_SEAMED))
+def test_the_files_not_yet_seamed_still_need_to_be(path):
+  assert path in CORE or path == 'ddrl_jax/evaluate.py'
+  assert _family_hits(path), f'{path} names no family any more: take it out of NOT_YET_SEAMED'
+
+
+def test_the_family_name_grep_sees_code_not_comments():
+  lines = ["config.sd3.resolution", "from ddrl_jax.models.wan import vae", "if name == 'mmdit':",
+           "family = 'flux1_dev'", "x = cfg.wan14b"]
+  for line in lines:
+    assert any(re.search(p, line) for p in FAMILY_NAMES), line
+  for line in ("cosmos_rl = 1", "swan = 2", "wander()", "'cosmos_2ab'"):
+    assert not any(re.search(p, line) for p in FAMILY_NAMES), line
 
 
 def test_family_pattern_finds_a_family_name(tmp_path):

@@ -96,7 +96,11 @@ def _old_layout(config):
   family = d['model_family']
   old = {v: k for k, v in moved_keys.MOVED_TASKS.items()}[family]
   d['task'], d['model_family'] = old, ''
-  d[family].update(d.pop('prompt'))
+  prompt = d.pop('prompt')
+  for key in ('prompts_required', 'prompts_source'):     # set only by the image-reward recipes then
+    if prompt[key] in (False, ''):
+      del prompt[key]
+  d[family].update(prompt)
   return d
 
 

@@ -194,7 +194,7 @@ def _define_flags():
       out=f.DEFINE_string('out', None, 'Output folder for the shards and manifest.json.'),
       manifest=f.DEFINE_string('manifest', None, 'JSONL of {"file", "caption"} instead of sidecars.'),
       records_per_shard=f.DEFINE_integer('records_per_shard', 1000, 'Records per ArrayRecord shard.'),
-      batch=f.DEFINE_integer('batch', 0, 'Media per encode call (0: config.cosmos.vae_batch or 8).'),
+      batch=f.DEFINE_integer('batch', 0, 'Media per encode call (0: 8; the task splits them into its own VAE batches).'),
       text=f.DEFINE_enum('text', 'task', ['task', 'none'],
                          "'task': store the task's text embedding; 'none': prompts only."),
       skip_bad=f.DEFINE_bool('skip_bad', False, 'Skip (and count) unreadable or uncaptioned files.'),
@@ -218,7 +218,7 @@ def main(fl):
     # Encoding needs the VAE and the text encoders, not the denoiser's weights nor any training input.
     preflight.check(v['config'], task, cli.config_spec(sys.argv) or 'the config', model_only=True,
                     skip=lambda key: key.endswith('.checkpoint') and not key.endswith('vae_checkpoint'))
-    batch = v['batch'] or v['config'].get('cosmos', {}).get('vae_batch', 8)
+    batch = v['batch'] or 8        # media per encode_samples call (the task chunks its VAE calls itself)
   else:
     if not (v['height'] and v['width']):
       raise cli.UsageError('without --config, the records hold pixels and need a size',

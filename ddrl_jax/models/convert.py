@@ -12,13 +12,10 @@ Sources:
 - a diffusers folder (`config.json` + `*.safetensors`, optionally sharded through
   `diffusion_pytorch_model.safetensors.index.json`), or a pipeline folder holding `transformer/` / `vae/`.
 
-The model names and their converters come from the families (`models.family.converters()`).
-Naming is detected from the keys:
-- Cosmos: `net.`-prefixed (original Cosmos-Predict2.5 `.pt`) -> `convert_cosmos_state_dict`, else diffusers
-  `CosmosTransformer3DModel` names -> `convert_diffusers_state_dict`.
-- Wan VAE: original Wan2.1 names (`encoder.downsamples.*`, `decoder.upsamples.*`, `conv1`, `conv2`, ... as in
-  `Wan2.1_VAE.pth` / Cosmos `tokenizer.pth`) are renamed to diffusers `AutoencoderKLWan` names by
-  `wan_original_to_diffusers`, then -> `convert_diffusers_vae_state_dict`.
+The model names and their converters come from the families (`models.family.converters()`); each
+family's converter detects its naming from the keys (e.g. the original Cosmos-Predict2.5 `net.` prefix
+against diffusers names, models/cosmos/convert.py; the original Wan2.1 VAE names against diffusers'
+`AutoencoderKLWan`, models/wan/vae_convert.py `wan_original_to_diffusers`).
 
 Output, in DIR:
 - `params/`: an orbax `StandardCheckpointer` checkpoint of the pure nested dict of the model's nnx.Param
@@ -31,7 +28,6 @@ import glob
 import json
 import math
 import os
-import re
 import sys
 
 import numpy as np
@@ -173,71 +169,6 @@ def load_source(path, subfolder='transformer'):
   if path.endswith(('.pt', '.pth', '.bin', '.ckpt')):
     return load_torch_file(path)
   raise ValueError(f'{path}: unknown source type (want .pt/.pth, .safetensors or a diffusers folder)')
-
-
-# --------------------------------------------------------------------------- original Wan2.1 names
-_WAN_RES = (('residual.0.gamma', 'norm1.gamma'), ('residual.2.', 'conv1.'), ('residual.3.gamma', 'norm2.gamma'),
-            ('residual.6.', 'conv2.'), ('shortcut.', 'conv_shortcut.'))
-
-
-def is_wan_original(keys):
-  return any(k.startswith(('encoder.downsamples.', 'decoder.upsamples.', 'encoder.middle.', 'encoder.conv1.'))
-             for k in keys)
-
-
-def _res(rest):
-  for old, new in _WAN_RES:
-    if rest.startswith(old):
-      return new + rest[len(old):]
-  return rest
-
-
-def _decoder_layout(config):
-  """Original flat `decoder.upsamples` index -> ('resnets', stage, j) or ('upsampler', stage)."""
-  layout, stages = [], len(config.dim_mult)
-  for i in range(stages):
-    layout += [('resnets', i, j) for j in range(config.num_res_blocks + 1)]
-    if i != stages - 1:
-      layout.append(('upsampler', i))
-  return layout
-
-
-def wan_original_to_diffusers(state_dict, config):
-  """Original Wan2.1 VAE names (`wan/modules/vae.py`, attn_scales=[]) -> diffusers `AutoencoderKLWan` names.
-
-  General in `config` (dim_mult, num_res_blocks); for the released layout it agrees with diffusers'
-  `convert_wan_vae_to_diffusers` (checked in tests). Keys it does not know are passed through, so the
-  VAE converter reports them as unexpected.
-  """
-  layout = _decoder_layout(config)
-  out = {}
-  for key, value in state_dict.items():
-    new = key
-    m = re.fullmatch(r'(encoder|decoder)\.(.*)', key)
-    if key.startswith(('conv1.', 'conv2.')):
-      new = ('quant_conv.' if key.startswith('conv1.') else 'post_quant_conv.') + key[6:]
-    elif m:
-      part, rest = m.groups()
-      if rest.startswith('conv1.'):
-        new = f'{part}.conv_in.{rest[6:]}'
-      elif rest.startswith('head.0.'):
-        new = f'{part}.norm_out.{rest[7:]}'
-      elif rest.startswith('head.2.'):
-        new = f'{part}.conv_out.{rest[7:]}'
-      elif (mm := re.fullmatch(r'middle\.([012])\.(.*)', rest)):
-        i, r = int(mm.group(1)), mm.group(2)
-        new = (f'{part}.mid_block.attentions.0.{r}' if i == 1 else
-               f'{part}.mid_block.resnets.{i // 2}.{_res(r)}')
-      elif part == 'encoder' and (mm := re.fullmatch(r'downsamples\.(\d+)\.(.*)', rest)):
-        new = f'encoder.down_blocks.{mm.group(1)}.{_res(mm.group(2))}'
-      elif part == 'decoder' and (mm := re.fullmatch(r'upsamples\.(\d+)\.(.*)', rest)):
-        idx, r = int(mm.group(1)), mm.group(2)
-        if idx < len(layout):
-          slot = layout[idx]
-          new = (f'decoder.up_blocks.{slot[1]}.resnets.{slot[2]}.{_res(r)}' if slot[0] == 'resnets' else
-                 f'decoder.up_blocks.{slot[1]}.upsamplers.0.{r}')
-    out[new] = value
-  return out
 
 
 # ------------------------------------------------------------------------------------------ convert

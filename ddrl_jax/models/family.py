@@ -13,7 +13,8 @@ functions below (`init_params`, `abstract_params`, `init_params_sharded`) build 
 with config.lora's adapters attached after the build and the family's base weights loaded under them.
 
 Registry: `FAMILIES` maps a name to the module that defines it (imported on first use, so `import
-ddrl_jax` pulls no model code); that module's `FAMILY(config)` builds the family from the run's config.
+ddrl_jax` pulls no model code); that module's `FAMILIES[name](config)` builds the family from the run's
+config. A family defined elsewhere (a plugin, a test) registers itself: `register(name, cls)`.
 `config.model_family = ''` takes the task's default family.
 """
 import dataclasses
@@ -132,16 +133,42 @@ class ModelFamily(Protocol):
     """diffusers names for LoRA export and merged weights (None: no diffusers counterpart)."""
 
 
+_REGISTERED = {}      # name -> family class, registered at run time (`register`)
+
+
+def register(name, family_class):
+  """Registers `family_class` (called with the run's config, like the classes in FAMILIES' modules) as
+  config.model_family `name`: how a family defined outside ddrl_jax/models joins."""
+  if name in FAMILIES:
+    raise ValueError(f'model family {name!r} is built in ({FAMILIES[name]})')
+  _REGISTERED[name] = family_class
+
+
+def unregister(name):
+  _REGISTERED.pop(name, None)
+
+
+def known_families():
+  return sorted(set(FAMILIES) | set(_REGISTERED))
+
+
 def _module(name, what='config.model_family'):
   if name not in FAMILIES:
-    raise ValueError(f'{what}={name!r}: unknown model family; known: {sorted(FAMILIES)}')
+    raise ValueError(f'{what}={name!r}: unknown model family; known: {known_families()}')
   return importlib.import_module(FAMILIES[name])
+
+
+def family_class(name, what='config.model_family'):
+  """The class of family `name` (registered, or from its FAMILIES module)."""
+  if name in _REGISTERED:
+    return _REGISTERED[name]
+  return _module(name, what).FAMILIES[name]
 
 
 def from_config(config, default=''):
   """The family of `config.model_family` ('' = `default`, the task's), bound to the config."""
   name = config.get('model_family', '') or default
-  cls = _module(name).FAMILIES[name]
+  cls = family_class(name)
   section = getattr(cls, 'section', '')
   if section and section not in config:
     from ddrl_jax import cli  # pylint: disable=g-import-not-at-top
@@ -152,8 +179,10 @@ def from_config(config, default=''):
 
 
 def logical_rules(name):
-  """The logical rules a family adds (its module's LOGICAL_RULES), for configs to merge into
-  config.sharding.rules so the command line can override them."""
+  """The logical rules a family adds (its module's or registered class's LOGICAL_RULES), for configs to
+  merge into config.sharding.rules so the command line can override them."""
+  if name in _REGISTERED:
+    return dict(getattr(_REGISTERED[name], 'LOGICAL_RULES', {}))
   return dict(getattr(_module(name, 'family'), 'LOGICAL_RULES', {}))
 
 

@@ -261,7 +261,7 @@ def joint_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, cfg):
   if plan is None:
     return _local_joint_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, cfg)
   if plan.context_impl != 'ulysses':
-    raise ValueError(f"SD3's joint attention is context-parallel with config.sharding.context_impl='ulysses' "
+    raise ValueError(f"joint (MM-DiT) attention is context-parallel with config.sharding.context_impl='ulysses' "
                      f"only; got {plan.context_impl!r} on mesh.context = {plan.axis_sizes['context']} (ring "
                      f"joint attention is not implemented; use 'ulysses', or 'none' for GSPMD)")
   text = _used_axes(plan, 'act_text')

@@ -8,10 +8,8 @@ from ddrl_jax.rl.advantages import flow_grpo_zscores
 from ddrl_jax.rl.advantages import group_advantages
 from ddrl_jax.rl.advantages import multi_reward_advantages
 from ddrl_jax.rl.advantages import normalized_rewards
-from ddrl_jax.rl.algorithms import ALGORITHMS
 from ddrl_jax.rl.algorithms import Algorithm
 from ddrl_jax.rl.algorithms import DataTerm
-from ddrl_jax.rl.algorithms import RLOptions
 from ddrl_jax.rl.algorithms import data_loss
 from ddrl_jax.rl.algorithms import data_loss_and_grad
 from ddrl_jax.rl.algorithms import data_loss_reference
@@ -20,7 +18,6 @@ from ddrl_jax.rl.algorithms import ddpo_loss
 from ddrl_jax.rl.algorithms import ddrl_loss
 from ddrl_jax.rl.algorithms import flow_grpo_loss
 from ddrl_jax.rl.algorithms import flow_grpo_std_dev
-from ddrl_jax.rl.algorithms import get_algorithm
 from ddrl_jax.rl.algorithms import per_step_vjp
 from ddrl_jax.rl.algorithms import repeat_groups
 from ddrl_jax.rl.algorithms import rl_loss
@@ -36,3 +33,6 @@ from ddrl_jax.rl.policy import log_ratio
 from ddrl_jax.rl.nft import nft_loss
 from ddrl_jax.rl.nft import nft_loss_and_grad
 from ddrl_jax.rl.nft import optimality_weights
+from ddrl_jax.rl.options import RLOptions
+from ddrl_jax.rl.registry import ALGORITHMS
+from ddrl_jax.rl.registry import get_algorithm

@@ -3,13 +3,13 @@
 An advantage is built in three stages, in cosmos-rl's order (cosmos_rl/policy/trainer/wfm_trainer.py,
 `rl_training_step`: the mean of the per-reward advantages, then `exp_reward`, then the clamp):
 
-  1. normalize each reward within its group ('cosmos', 'flow_grpo' or 'dance_grpo', below);
+  1. normalize each reward within its group ('cosmos_rl' (old name 'cosmos'), 'flow_grpo' or 'dance_grpo', below);
   2. with several rewards, average the normalized rewards (`multi_reward_advantages`);
   3. transform (None or 'neg_exp': lambda(A) = -exp(-A)), clamp to [-clip, clip], and give failed samples
      their advantage (`finish_advantages`).
 
 The normalizations, each as its cited code computes it:
-  'cosmos'     cosmos-rl (cosmos_rl/policy/model/wfm/models/t2v_model.py, `_sync_rewards_across_rollouts`):
+  'cosmos_rl'  cosmos-rl (cosmos_rl/policy/model/wfm/models/t2v_model.py, `_sync_rewards_across_rollouts`):
                failed rewards replaced by the group's valid mean and kept in the statistics; group mean,
                torch's unbiased std, A = (r - mean) / (std + eps), eps = 1e-4.
   'flow_grpo'  FlowGRPO (yifan123/flow_grpo flow_grpo/stat_tracking.py, `PerPromptStatTracker.update`):
@@ -23,11 +23,13 @@ Where the reference arithmetic and this module differ, the function's docstring 
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
 
-NORMALIZATIONS = ('cosmos', 'flow_grpo', 'dance_grpo')
+from ddrl_jax.rl import options
+
+NORMALIZATIONS = options.NORMALIZATIONS
 TRANSFORMS = (None, 'neg_exp')
 # How a failed sample's advantage is set: 'zero' gives A = 0 after the transform and clamp (the sample
 # does not move the policy); 'transformed_zero' gives it lambda(0) (cosmos-rl: -exp(0) = -1 with neg_exp).
-FAILED_MODES = ('zero', 'transformed_zero')
+FAILED_MODES = options.FAILED_MODES
 
 
 def _grouped(rewards, group_size):
@@ -158,11 +160,12 @@ def dance_grpo_zscores(rewards, group_size, eps=1e-8):
   return (dev / (std + eps)).reshape(-1)
 
 
-def normalized_rewards(rewards, group_size, normalization='cosmos', *, eps=1e-4, global_std=True,
+def normalized_rewards(rewards, group_size, normalization='cosmos_rl', *, eps=1e-4, global_std=True,
                        prompt_ids=None):
   """Stage 1: (B*N,) rewards -> (B*N,) z-scores by `normalization` (one of NORMALIZATIONS), 0 at failed
   samples. eps is the normalization's std offset; global_std and prompt_ids apply to 'flow_grpo' only."""
-  if normalization == 'cosmos':
+  normalization = options.canonical(normalization)
+  if normalization == 'cosmos_rl':
     return cosmos_zscores(rewards, group_size, eps)
   if normalization == 'flow_grpo':
     return flow_grpo_zscores(rewards, group_size, eps, global_std, prompt_ids)
@@ -198,7 +201,7 @@ def finish_advantages(z, valid, *, transform=None, clip=5.0, failed='zero'):
   return jnp.where(valid, adv, 0.0) if failed == 'zero' else adv
 
 
-def group_advantages(rewards, group_size, *, clip=5.0, eps=1e-4, transform=None, normalization='cosmos',
+def group_advantages(rewards, group_size, *, clip=5.0, eps=1e-4, transform=None, normalization='cosmos_rl',
                      global_std=True, failed='zero', prompt_ids=None):
   """GRPO advantages of one reward: `normalized_rewards`, then `finish_advantages`.
 

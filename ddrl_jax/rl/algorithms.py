@@ -36,7 +36,7 @@ KL times |dt|, i.e. 1/|dt| (10x at 10 uniform steps) weaker at the same kl_beta.
 """
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import jax
 from jax.custom_derivatives import custom_vjp_primal_tree_values
@@ -45,13 +45,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddrl_jax.rl import diffusion_loss
+from ddrl_jax.rl import options as options_lib
 from ddrl_jax.rl import policy
+from ddrl_jax.rl.options import RLOptions
 from ddrl_jax.sampling import samplers
 
 
 # How the data term picks its steps; 'reduced' is the name 'random_step' had before 'first' existed.
-DATA_STEP_MODES = ('full', 'first', 'random_step', 'reduced')
-KL_FORMS = ('exact', 'flow_grpo')
+DATA_STEP_MODES = options_lib.DATA_STEP_MODES
+KL_FORMS = options_lib.KL_FORMS
 
 
 def data_term_steps(mode, num_k):
@@ -77,8 +79,8 @@ class DataTerm:
     paper's "randomly sample t": N(1 + |T|) calls). 'reduced' is an alias of 'random_step'.
   noise: 'rollout' (the rollout's initial noise, cosmos-rl's use_rl_sigma_and_noise) or 'fresh'.
   cond_dropout: probability of the null (zero) condition per sample.
-  weighting: 'cosmos' (t^2 + (1-t)^2), 'path_kl' (the sampler's exact per-step KL weight), 'eps_mse'
-    ((1-t)^2: the paper's Algorithm 1, an unweighted epsilon-MSE) or 'none'.
+  weighting: 'cosmos_rl' (t^2 + (1-t)^2; 'cosmos' is its old name), 'path_kl' (the sampler's exact
+    per-step KL weight), 'eps_mse' ((1-t)^2: the paper's Algorithm 1, an unweighted epsilon-MSE) or 'none'.
   """
   x0: Any
   cond: Any
@@ -86,12 +88,13 @@ class DataTerm:
   steps: str = 'full'
   noise: str = 'rollout'
   cond_dropout: float = 0.2
-  weighting: str = 'cosmos'
+  weighting: str = 'cosmos_rl'
 
   def __post_init__(self):
+    object.__setattr__(self, 'weighting', options_lib.canonical(self.weighting))   # 'cosmos' -> 'cosmos_rl'
     if self.steps not in DATA_STEP_MODES:
       raise ValueError(f'data loss steps must be one of {DATA_STEP_MODES}, got {self.steps!r}')
-    if self.noise not in ('rollout', 'fresh'):
+    if self.noise not in options_lib.DATA_NOISES:
       raise ValueError(f"data loss noise must be 'rollout' or 'fresh', got {self.noise!r}")
     if self.weighting not in diffusion_loss.WEIGHTINGS:
       raise ValueError(f'data loss weighting must be one of {diffusion_loss.WEIGHTINGS}, '
@@ -113,7 +116,7 @@ def _data_loss_at(apply_fn, params, sampler, inp, traj_noise, data, key):
   else:
     noise = jax.random.normal(k_noise, x0.shape, x0.dtype)
   cond = diffusion_loss.drop_condition(repeat_groups(data.cond, n), k_drop, data.cond_dropout)
-  if data.weighting == 'cosmos':
+  if data.weighting == 'cosmos_rl':
     weight = None
   elif data.weighting == 'path_kl':
     weight = sampler.path_kl_weight(inp).reshape(-1)
@@ -286,7 +289,7 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
     cond: pytree of (B, ...) rollout conditions, or of (B*N, ...) per-slot ones.
     key: PRNG key (data noise, condition dropout, the random_step variant's step draw).
     clip_range: PPO epsilon.
-    log_ratio_form: 'cosmos' or 'gaussian' (see `policy.log_ratio`).
+    log_ratio_form: 'cosmos_rl' or 'gaussian' (see `policy.log_ratio`; 'cosmos' is accepted).
     ref_params: frozen reference parameters, required iff kl_beta > 0.
     kl_beta: weight of the per-step KL(step under theta || step under ref) of `step_kl`.
     data: optional `DataTerm` (DDRL).
@@ -392,7 +395,7 @@ def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, k
 
 
 def _check_rl_options(old_mean, kl_beta, ref_params, kl_form, sampler):
-  if old_mean not in ('rollout', 'detached'):
+  if old_mean not in options_lib.OLD_MEANS:
     raise ValueError(f"old_mean must be 'rollout' or 'detached', got {old_mean!r}")
   if kl_beta > 0 and ref_params is None:
     raise ValueError('kl_beta > 0 needs ref_params')
@@ -490,7 +493,7 @@ def _step_metrics(per_step):
 
 
 def ddrl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, data, key, *,
-              clip_range=1e-4, log_ratio_form='cosmos', loss_scale=1.0, old_mean='rollout'):
+              clip_range=1e-4, log_ratio_form='cosmos_rl', loss_scale=1.0, old_mean='rollout'):
   """DDRL (arXiv 2512.04332, Algorithm 1 as in cosmos-rl): clipped policy gradient + data_beta * diffusion
   loss on data paired with the conditions. No reference or old parameters. `data` is a `DataTerm`.
 
@@ -534,55 +537,50 @@ def ddpo_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *,
 # Typed options and the registry (chosen by config.algorithm).
 
 
-@dataclasses.dataclass(frozen=True)
-class RLOptions:
-  """The policy-gradient options of `Algorithm.loss` (configs' `rl` section holds the same names).
+def every_other_step(num_steps):
+  """cosmos-rl's DDRL default: 0, 2, ..., 18 of 20."""
+  return tuple(range(0, num_steps - 1, 2))
 
-  clip_range: PPO clip of the ratio; log_ratio: '' (the algorithm's), 'cosmos' or 'gaussian';
-  loss_scale: multiplies the loss; old_mean: 'rollout' (ratio against the stored rollout means) or
-  'current'; drop_zero_advantages: FlowGRPO's filtered mean; kl_beta, kl_form: the reverse KL to the
-  reference of the algorithms that hold one ('exact' or 'flow_grpo'); pg_weight: the policy gradient's
-  weight (0: a control without it)."""
-  clip_range: float
-  log_ratio: str = ''
-  loss_scale: float = 1.0
-  old_mean: str = 'rollout'
-  drop_zero_advantages: bool = False
-  kl_beta: float = 0.0
-  kl_form: str = 'exact'
-  pg_weight: float = 1.0
 
-  @classmethod
-  def from_mapping(cls, mapping):
-    """RLOptions from any mapping with these keys (e.g. config.rl); other keys are ignored, missing
-    ones take the defaults above (clip_range is required)."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    return cls(**{n: mapping[n] for n in names if n in mapping})
+def all_but_the_last(num_steps):
+  """DanceGRPO / DDPO: every step but the last."""
+  return tuple(range(max(1, num_steps - 1)))
+
+
+def first_99_percent(num_steps):
+  """FlowGRPO: the first int(0.99 T) steps (timestep_fraction 0.99)."""
+  return tuple(range(max(1, int(0.99 * num_steps))))
+
+
+def every_step(num_steps):
+  return tuple(range(num_steps))
 
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-  """How an algorithm is wired: its default sampler, whether it holds a reference or uses data, how it
-  picks trained steps ('fixed': the same list for every rollout; 'random': a random subset per rollout),
-  and its objective: 'clipped_pg' (the rl_loss family on the stored trajectory) or 'nft' (DiffusionNFT's
-  forward-process loss on the clean samples, `rl/nft.py`, with an old policy that samples the rollouts)."""
+  """How an algorithm is wired, and its update: its default sampler, whether it holds a reference or uses
+  data, how it picks trained steps ('fixed': the same list for every rollout; 'random': a random subset
+  per rollout) and which (`default_steps(T)`), and its loss. This class is the clipped policy gradient on
+  the stored trajectory (`rl_loss`: DDRL, FlowGRPO, DanceGRPO, DDPO); an algorithm with another objective
+  subclasses it (DiffusionNFT, rl/nft.py) and is registered in rl/registry.py. The trainer calls only
+  these methods: `loss_and_grad`, `init_old` / `update_old` (an old policy that samples the rollouts),
+  `reference_passes` (FLOPs) and `problems` (config checks)."""
   name: str
   default_sampler: str
   uses_reference: bool
   uses_data: bool
   step_selection: str
   default_log_ratio: str
+  default_steps: Any = all_but_the_last     # num_steps -> the default trained steps (or candidate pool)
   objective: str = 'clipped_pg'
+  # Whether the loss trains the sampler's stochastic transitions (so a deterministic last step of
+  # cosmos_2ab / ddim cannot be trained); False for objectives that re-noise clean samples.
+  trains_transitions: bool = True
+  CHECKED_KEYS: ClassVar[tuple] = ('kl_beta', 'kl_form')     # the rl keys `problems` checks
 
   def default_train_steps(self, num_steps):
     """Trained steps (fixed) or the candidate pool (random) when the config gives none."""
-    if self.name == 'ddrl':
-      return tuple(range(0, num_steps - 1, 2))       # cosmos-rl: 0, 2, ..., 18 of 20
-    if self.name == 'flow_grpo':
-      return tuple(range(max(1, int(0.99 * num_steps))))  # all but the last
-    if self.name == 'diffusion_nft':
-      return tuple(range(num_steps))                 # every grid time is a candidate (x_t is re-noised)
-    return tuple(range(max(1, num_steps - 1)))       # DanceGRPO / DDPO: all but the last
+    return tuple(self.default_steps(num_steps))
 
   def select_steps(self, key, batch, num_rollouts, train_steps, fraction):
     """(B, N, K) int32 trained step indices."""
@@ -594,6 +592,35 @@ class Algorithm:
     perm = jax.vmap(lambda kk: jax.random.permutation(kk, pool))(keys)
     return perm[:, :k].reshape(batch, num_rollouts, k)
 
+  # ------------------------------------------------------------------------- config checks
+  def problems(self, rl, sampler_kind):
+    """[(rl key, value, what is wrong)] of `rl` (RLOptions) for this algorithm with `sampler_kind`."""
+    out = []
+    if not self.uses_reference and rl.kl_beta != 0:
+      out.append(('kl_beta', rl.kl_beta, f'{self.name} holds no reference model; only flow_grpo and '
+                  'diffusion_nft use a KL'))
+    if self.uses_reference and rl.kl_beta > 0 and rl.kl_form == 'flow_grpo' and sampler_kind != 'flow_sde':
+      out.append(('kl_form', rl.kl_form, "FlowGRPO's KL divides by its std_dev_t, which only the flow_sde "
+                  f"sampler defines; sampler.kind is {sampler_kind!r} (use rl.kl_form='exact')"))
+    return out
+
+  # ----------------------------------------------------------------------------- FLOPs
+  def reference_passes(self, num_trained, kl_on):
+    """Forward passes per rollout of frozen copies (the KL reference, an old policy): K with a KL."""
+    return num_trained if self.uses_reference and kl_on else 0
+
+  # ------------------------------------------------------------------------ old policy
+  def init_old(self, params):
+    """The old policy's parameters at step 0 (None: the algorithm keeps none)."""
+    del params
+    return None
+
+  def update_old(self, old_params, params, step, options):
+    """(old params after optimizer step `step`, metrics); unchanged without an old policy."""
+    del params, step, options
+    return old_params, {}
+
+  # ------------------------------------------------------------------------------- loss
   def _options(self, ref_params, data, options):
     """rl_loss keyword arguments from `RLOptions`: the named losses' wiring."""
     if not isinstance(options, RLOptions):
@@ -608,41 +635,38 @@ class Algorithm:
       kw.update(ref_params=ref_params, kl_beta=options.kl_beta, kl_form=options.kl_form)
     return kw
 
-  def _check_clipped_pg(self):
-    if self.objective != 'clipped_pg':
-      raise ValueError(f'{self.name} is not a clipped policy-gradient algorithm; its loss is in '
-                       f'ddrl_jax/rl/nft.py (nft_loss, nft_loss_and_grad)')
-
-  def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, options):
-    """The algorithm's loss (`rl_loss`: the per-step gradient) with `options` (RLOptions)."""
-    self._check_clipped_pg()
+  def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, options,
+           *, old_params=None, valid=None):
+    """The algorithm's loss (`rl_loss`: the per-step gradient) with `options` (RLOptions). `old_params`
+    and `valid` are for objectives that use them (the clipped policy gradient reads neither: the
+    rollout's stored means are its old policy, and failed samples have advantage 0)."""
+    del old_params, valid
     return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key,
                    **self._options(ref_params, data, options))
 
   def loss_and_grad(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key,
-                    options):
+                    options, *, old_params=None, valid=None):
     """(loss, metrics, float32 grads): `loss` with the gradient accumulated per trained step."""
-    self._check_clipped_pg()
+    del old_params, valid
     return rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, key,
                             **self._options(ref_params, data, options))
 
 
-ALGORITHMS = {
+# The clipped policy-gradient algorithms; rl/registry.py holds every algorithm (DiffusionNFT too).
+CLIPPED_PG = {
     'ddrl': Algorithm('ddrl', 'cosmos_2ab', uses_reference=False, uses_data=True,
-                      step_selection='fixed', default_log_ratio='cosmos'),
+                      step_selection='fixed', default_log_ratio='cosmos_rl', default_steps=every_other_step),
     'flow_grpo': Algorithm('flow_grpo', 'flow_sde', uses_reference=True, uses_data=False,
-                           step_selection='fixed', default_log_ratio='gaussian'),
+                           step_selection='fixed', default_log_ratio='gaussian',
+                           default_steps=first_99_percent),
     'dance_grpo': Algorithm('dance_grpo', 'dance_sde', uses_reference=False, uses_data=False,
                             step_selection='random', default_log_ratio='gaussian'),
     'ddpo': Algorithm('ddpo', 'ddim', uses_reference=False, uses_data=False,
                       step_selection='random', default_log_ratio='gaussian'),
-    # CFG-free; only the clean samples and the sampler's time grid are used (rl/nft.py).
-    'diffusion_nft': Algorithm('diffusion_nft', 'flow_sde', uses_reference=True, uses_data=False,
-                               step_selection='random', default_log_ratio='gaussian', objective='nft'),
 }
 
 
 def get_algorithm(name):
-  if name not in ALGORITHMS:
-    raise ValueError(f'config.algorithm={name!r} is unknown; known: {sorted(ALGORITHMS)}')
-  return ALGORITHMS[name]
+  """The registered algorithm `name` (rl/registry.py)."""
+  from ddrl_jax.rl import registry  # pylint: disable=g-import-not-at-top
+  return registry.get_algorithm(name)

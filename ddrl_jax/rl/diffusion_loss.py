@@ -2,7 +2,7 @@
 import jax
 import jax.numpy as jnp
 
-WEIGHTINGS = ('cosmos', 'path_kl', 'eps_mse', 'none')
+from ddrl_jax.rl.options import WEIGHTINGS
 
 
 def cosmos_loss_weight(t):

@@ -181,3 +181,55 @@ def nft_loss_and_grad(apply_fn, params, old_params, ref_params, traj, advantages
   metrics['loss'] = loss_scale * losses.mean()
   return metrics['loss'], metrics, grads
 
+
+
+class DiffusionNFT(algorithms.Algorithm):
+  """DiffusionNFT as an `Algorithm`: its forward-process loss on the rollouts' clean samples (`nft_loss`),
+  an old policy (an EMA of the trained one, `old_decay`) that samples the rollouts, and the reference's
+  KL at every trained time. CFG-free; only the clean samples and the sampler's time grid are used."""
+
+  CHECKED_KEYS = ('nft_beta', 'nft_old_decay', 'adv_clip')
+
+  def problems(self, rl, sampler_kind):
+    del sampler_kind                 # the loss re-noises clean samples: any sampler's grid will do
+    out = []
+    if not rl.nft_beta > 0:
+      out.append(('nft_beta', rl.nft_beta, 'must be > 0'))
+    if rl.nft_old_decay not in OLD_DECAY_SCHEDULES:
+      out.append(('nft_old_decay', rl.nft_old_decay, f'known schedules: {sorted(OLD_DECAY_SCHEDULES)}'))
+    if rl.adv_clip is None or not rl.adv_clip > 0:
+      out.append(('adv_clip', rl.adv_clip, 'diffusion_nft maps advantages in [-adv_clip, adv_clip] to [0, 1]; '
+                  'must be > 0'))
+    return out
+
+  def reference_passes(self, num_trained, kl_on):
+    """The old policy's forward at every trained time, and the reference's with a KL."""
+    return num_trained + super().reference_passes(num_trained, kl_on)
+
+  def init_old(self, params):
+    return jax.tree.map(jnp.array, params)
+
+  def update_old(self, old_params, params, step, options):
+    decay = old_decay(step + 1, options.nft_old_decay)
+    return update_old_params(old_params, params, decay), {'nft_old_decay': decay}
+
+  def _kwargs(self, options):
+    return dict(beta=options.nft_beta, adv_clip_max=options.adv_clip, kl_beta=options.kl_beta,
+                loss_scale=options.loss_scale)
+
+  def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, options,
+           *, old_params=None, valid=None):
+    del sampler, data
+    return nft_loss(apply_fn, params, old_params, ref_params, traj, advantages, steps, cond, key,
+                    valid=valid, **self._kwargs(options))
+
+  def loss_and_grad(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key,
+                    options, *, old_params=None, valid=None):
+    del sampler, data
+    return nft_loss_and_grad(apply_fn, params, old_params, ref_params, traj, advantages, steps, cond, key,
+                             valid=valid, **self._kwargs(options))
+
+
+DIFFUSION_NFT = DiffusionNFT('diffusion_nft', 'flow_sde', uses_reference=True, uses_data=False,
+                             step_selection='random', default_log_ratio='gaussian',
+                             default_steps=algorithms.every_step, objective='nft', trains_transitions=False)

@@ -3,7 +3,8 @@ import math
 
 import jax.numpy as jnp
 
-LOG_RATIO_FORMS = ('cosmos', 'gaussian')
+from ddrl_jax.rl.options import LOG_RATIO_FORMS
+from ddrl_jax.rl.options import canonical
 
 
 def _per_sample_mean(x, batch_ndim):
@@ -26,15 +27,17 @@ def gaussian_log_prob(x, mean, std, batch_ndim=1):
   return _per_sample_mean(log_density, batch_ndim)
 
 
-def log_ratio(x_next, mean_theta, mean_old, std, form='cosmos', batch_ndim=2):
+def log_ratio(x_next, mean_theta, mean_old, std, form='cosmos_rl', batch_ndim=2):
   """log pi_theta(x'|x) - log pi_old(x'|x) per sample.
 
-  form='cosmos': cosmos-rl's unnormalized -mean[(x' - mu_theta)^2 - (x' - mu_old)^2] (no 1/(2 s^2); weights
-    steps by sigma^2). form='gaussian': the normalized Gaussian log-prob ratio (same mean, divided by 2 s^2).
+  form='cosmos_rl' ('cosmos', its old name): cosmos-rl's unnormalized -mean[(x' - mu_theta)^2 -
+    (x' - mu_old)^2] (no 1/(2 s^2); weights steps by sigma^2). form='gaussian': the normalized Gaussian
+    log-prob ratio (same mean, divided by 2 s^2).
   Shapes: x_next, means (*batch, *S); std (*batch,). Returns (*batch,).
   """
   sq = _per_sample_mean((x_next - mean_theta)**2 - (x_next - mean_old)**2, batch_ndim)
-  if form == 'cosmos':
+  form = canonical(form)
+  if form == 'cosmos_rl':
     return -sq
   if form == 'gaussian':
     return -sq / (2.0 * jnp.asarray(std)**2)

@@ -11,7 +11,7 @@ classifier-free guidance also 'guidance' (B,) and 'null_text' (the empty prompt'
 v = v_null + w (v_cond - v_null) from one forward of 2B.
 
 Original Wan2.1 VAE names (`Wan2.1_VAE.pth`, Cosmos' `tokenizer.pth`) are renamed to diffusers'
-`AutoencoderKLWan` names first (`models.convert.wan_original_to_diffusers`).
+`AutoencoderKLWan` names first (`vae_convert.wan_original_to_diffusers`).
 """
 import flax.nnx as nnx
 import jax
@@ -154,10 +154,9 @@ FAMILIES = {'wan': WanFamily}
 
 
 def _convert_vae(state_dict, config):
-  from ddrl_jax.models import convert  # pylint: disable=g-import-not-at-top
-  if convert.is_wan_original(state_dict):
+  if vae_convert.is_wan_original(state_dict):
     return vae_convert.convert_diffusers_vae_state_dict(
-        convert.wan_original_to_diffusers(state_dict, config), config), 'wan_original'
+        vae_convert.wan_original_to_diffusers(state_dict, config), config), 'wan_original'
   return vae_convert.convert_diffusers_vae_state_dict(state_dict, config), 'diffusers'
 
 

@@ -13,6 +13,8 @@ Usage:
   state = convert_diffusers_vae_state_dict({k: v.numpy() for k, v in vae.state_dict().items()}, cfg)
   model = merge_params(cfg, state)
 """
+import re
+
 import numpy as np
 from flax import nnx
 
@@ -82,3 +84,68 @@ def merge_params(config, state):
   abstract = nnx.eval_shape(lambda: WanVAE(config, rngs=nnx.Rngs(0)))
   graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
   return nnx.merge(graphdef, state, rest)
+
+
+# --------------------------------------------------------------------------- original Wan2.1 names
+_WAN_RES = (('residual.0.gamma', 'norm1.gamma'), ('residual.2.', 'conv1.'), ('residual.3.gamma', 'norm2.gamma'),
+            ('residual.6.', 'conv2.'), ('shortcut.', 'conv_shortcut.'))
+
+
+def is_wan_original(keys):
+  return any(k.startswith(('encoder.downsamples.', 'decoder.upsamples.', 'encoder.middle.', 'encoder.conv1.'))
+             for k in keys)
+
+
+def _res(rest):
+  for old, new in _WAN_RES:
+    if rest.startswith(old):
+      return new + rest[len(old):]
+  return rest
+
+
+def _decoder_layout(config):
+  """Original flat `decoder.upsamples` index -> ('resnets', stage, j) or ('upsampler', stage)."""
+  layout, stages = [], len(config.dim_mult)
+  for i in range(stages):
+    layout += [('resnets', i, j) for j in range(config.num_res_blocks + 1)]
+    if i != stages - 1:
+      layout.append(('upsampler', i))
+  return layout
+
+
+def wan_original_to_diffusers(state_dict, config):
+  """Original Wan2.1 VAE names (`wan/modules/vae.py`, attn_scales=[]) -> diffusers `AutoencoderKLWan` names.
+
+  General in `config` (dim_mult, num_res_blocks); for the released layout it agrees with diffusers'
+  `convert_wan_vae_to_diffusers` (checked in tests). Keys it does not know are passed through, so the
+  VAE converter reports them as unexpected.
+  """
+  layout = _decoder_layout(config)
+  out = {}
+  for key, value in state_dict.items():
+    new = key
+    m = re.fullmatch(r'(encoder|decoder)\.(.*)', key)
+    if key.startswith(('conv1.', 'conv2.')):
+      new = ('quant_conv.' if key.startswith('conv1.') else 'post_quant_conv.') + key[6:]
+    elif m:
+      part, rest = m.groups()
+      if rest.startswith('conv1.'):
+        new = f'{part}.conv_in.{rest[6:]}'
+      elif rest.startswith('head.0.'):
+        new = f'{part}.norm_out.{rest[7:]}'
+      elif rest.startswith('head.2.'):
+        new = f'{part}.conv_out.{rest[7:]}'
+      elif (mm := re.fullmatch(r'middle\.([012])\.(.*)', rest)):
+        i, r = int(mm.group(1)), mm.group(2)
+        new = (f'{part}.mid_block.attentions.0.{r}' if i == 1 else
+               f'{part}.mid_block.resnets.{i // 2}.{_res(r)}')
+      elif part == 'encoder' and (mm := re.fullmatch(r'downsamples\.(\d+)\.(.*)', rest)):
+        new = f'encoder.down_blocks.{mm.group(1)}.{_res(mm.group(2))}'
+      elif part == 'decoder' and (mm := re.fullmatch(r'upsamples\.(\d+)\.(.*)', rest)):
+        idx, r = int(mm.group(1)), mm.group(2)
+        if idx < len(layout):
+          slot = layout[idx]
+          new = (f'decoder.up_blocks.{slot[1]}.resnets.{slot[2]}.{_res(r)}' if slot[0] == 'resnets' else
+                 f'decoder.up_blocks.{slot[1]}.upsamplers.0.{r}')
+    out[new] = value
+  return out
