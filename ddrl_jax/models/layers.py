@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ddrl_jax.parallel.plan import tokens_mergeable
@@ -81,11 +82,19 @@ class RMSNorm(nnx.Module):
     return (xf * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def timestep_frequencies(dim):
+  """(dim/2,) float32 f_j = exp(-ln(1e4) j / (dim/2)): the exponent in float32 as diffusers computes it,
+  its exp correctly rounded (a host constant). XLA's and torch's float32 exp are an ulp off on some j, and
+  at t ~ 1000 an ulp of a frequency moves the sinusoid by ~3e-5."""
+  exponent = -math.log(10000.0) * np.arange(dim // 2, dtype=np.float32) / np.float32(dim // 2)
+  return np.exp(exponent.astype(np.float32).astype(np.float64)).astype(np.float32)
+
+
 def timestep_sinusoid(t, dim):
-  """t (...,) float -> (..., dim) float32 embedding [cos(t f), sin(t f)], f_j = 1e4^(-j/(dim/2))."""
-  half = dim // 2
-  freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
-  arg = t.astype(jnp.float32)[..., None] * freqs
+  """t (...,) float -> (..., dim) float32 embedding [cos(t f), sin(t f)], f_j = 1e4^(-j/(dim/2))
+  (`timestep_frequencies`): every family's timestep sinusoid (diffusers' Timesteps(dim,
+  flip_sin_to_cos=True, downscale_freq_shift=0))."""
+  arg = t.astype(jnp.float32)[..., None] * jnp.asarray(timestep_frequencies(dim))
   return jnp.concatenate([jnp.cos(arg), jnp.sin(arg)], axis=-1)
 
 

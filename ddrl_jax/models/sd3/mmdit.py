@@ -250,22 +250,10 @@ def pos_embed_table(cfg):
   return _sincos_table(cfg.inner_dim, m, cfg.base_size, 0, m, 0, m)[None]
 
 
-def _time_freqs(dim):
-  """(dim/2,) float32 exp(-ln(1e4) j / (dim/2)): the exponent in float32 as diffusers computes it, its exp
-  correctly rounded (torch's and XLA's float32 exp differ from it by an ulp on some j)."""
-  exponent = -math.log(10000.0) * np.arange(dim // 2, dtype=np.float32) / np.float32(dim // 2)
-  return np.exp(exponent.astype(np.float32).astype(np.float64)).astype(np.float32)
-
-
 def time_sinusoid(t, dim=TIME_FREQ_DIM):
-  """t (B,) on 0..1000 -> (B, dim) float32 [cos(t f), sin(t f)] (diffusers' Timesteps(dim,
-  flip_sin_to_cos=True, downscale_freq_shift=0)).
-
-  Same formula as layers.timestep_sinusoid, but with the frequencies as a correctly rounded constant:
-  at t ~ 1000 an ulp of a frequency moves the sinusoid by ~3e-5, which was most of the float32 gap to
-  diffusers."""
-  arg = t.astype(jnp.float32)[..., None] * jnp.asarray(_time_freqs(dim))
-  return jnp.concatenate([jnp.cos(arg), jnp.sin(arg)], axis=-1)
+  """t (B,) on 0..1000 -> (B, dim) float32 [cos(t f), sin(t f)]: `layers.timestep_sinusoid`, the one
+  sinusoid of every family (its frequencies a correctly rounded constant)."""
+  return layers.timestep_sinusoid(t, dim)
 
 
 def gelu_tanh(x):
