@@ -1,7 +1,7 @@
 """Checkpoints written before the pipeline moved into the families resume under today's code and configs:
-two LoRA runs of one iteration each, written by commit 6f70489 (the last commit with the 'sd3_ocr' task,
-the prompt keys in config.sd3 and cosmos-rl's conventions spelled 'cosmos') and kept in
-tests/fixtures/old_checkpoints/, are resumed to a second iteration."""
+runs of one iteration each, written by commit 6f70489 (the last commit with the 'sd3_ocr' task, the prompt
+keys in config.sd3 and cosmos-rl's conventions spelled 'cosmos') and kept in tests/fixtures/old_checkpoints/
+(two LoRA runs, SD3 and the OCR task, and a Cosmos smoke run), are resumed to a second iteration."""
 import os
 import shutil
 
@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from configs import cosmos2b
 from configs import ocr_tiny
 from configs import sd35m
 from ddrl_jax import metrics as metrics_lib
@@ -28,7 +29,8 @@ def _ocr():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name,make', [('sd3_flow_grpo_smoke_lora', _sd3), ('ocr_tiny_ddrl_lora4', _ocr)])
+@pytest.mark.parametrize('name,make', [('sd3_flow_grpo_smoke_lora', _sd3), ('ocr_tiny_ddrl_lora4', _ocr),
+                                       ('cosmos2b_smoke', lambda: cosmos2b.get_config('smoke'))])
 def test_a_checkpoint_of_the_old_layout_resumes(name, make, tmp_path):
   workdir = tmp_path / 'run'
   shutil.copytree(os.path.join(FIXTURES, name), workdir / 'checkpoints' / '1')
