@@ -19,6 +19,9 @@ serves every text-to-image and text-to-video family.
                      'none': the family takes no guidance (FLUX-style guidance embeddings would be a
                      third mode: the scale as a model input, no null branch)
   cfg_on             whether any phase samples with guidance != 1 (then conditions carry 'guidance')
+  shape_key          the config key that sets the sample shape (for messages)
+  required_inputs()  the weights a full run needs (a default from section, weights_source,
+                     convert_models() and text_encoder_key is below)
 
 Conditions built here: the text fields (B, ...) float32 and, when `cfg_on`, 'guidance' (B,) with the
 empty prompt's 'null_<name>' for each text field. Tasks add their own fields (the prompt task: 'index').

@@ -29,7 +29,7 @@ samples (`python -m ddrl_jax.data.synthesize`, the paper's image setting) or rea
 `python -m ddrl_jax.data.prepare`; records may carry the text embeddings.
 
 Configs written before this task existed (`config.task = 'sd3_ocr'` / `'wan_t2v'` with the prompt keys in
-config.sd3 / config.wan) are named in one line with the keys' new places (`ddrl_jax.tasks.MOVED_TASKS`).
+config.sd3 / config.wan) are named in one line with the keys' new places (`ddrl_jax.moved_keys`).
 """
 import os
 
