@@ -212,6 +212,15 @@ def preset_config(presets, section, key):
   return presets[section.model](**kw)
 
 
+def vae_preset_config(presets, section, key):
+  """The VAE config of `section.vae` (a key of `presets`) with `section.vae_overrides`; `key` names the
+  section in errors ('config.sd3')."""
+  if section.vae not in presets:
+    raise ValueError(f'{key}.vae={section.vae!r}: unknown preset; known: {sorted(presets)}')
+  kw = dict(section.vae_overrides) if section.get('vae_overrides') else {}
+  return presets[section.vae](**kw)
+
+
 class SectionFamily:
   """What the DiT families configured by one config section share: `c` (the section, e.g. config.sd3),
   `dit` (the model config: dtype, remat_policy, attention), `section` (its name, for config keys), and

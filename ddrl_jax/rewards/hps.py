@@ -96,8 +96,8 @@ class CheckpointError(video_common.CheckpointError):
   """An HPS checkpoint that cannot be used; one line naming the reward and the file."""
 
 
-def _fail(path, what):
-  video_common.fail(REWARD, path, what, error=CheckpointError)
+def _fail(path, what, reward=REWARD):
+  video_common.fail(reward, path, what, error=CheckpointError)
 
 
 def _path(value):
@@ -352,22 +352,23 @@ def build_model(model_cfg=None, device='meta'):
     return _modules()(cfg)
 
 
-def read_state_dict(path):
+def read_state_dict(path, reward=REWARD):
   """{name: float32 tensor} of an HPS checkpoint file (torch.load, weights_only=True): its 'state_dict' (the
-  released files' layout) or, without that key, the file's dict itself. CheckpointError (one line)."""
+  released files' layout) or, without that key, the file's dict itself. CheckpointError (one line naming
+  `reward` and the file)."""
   import torch  # pylint: disable=g-import-not-at-top
   if not os.path.isfile(path):
-    _fail(path, f'no such file ({CHECKPOINT_HINT})')
+    _fail(path, f'no such file ({CHECKPOINT_HINT})', reward)
   try:
     data = torch.load(path, map_location='cpu', weights_only=True)
   except Exception as e:  # pylint: disable=broad-except
-    _fail(path, f'cannot be read ({video_common.describe(e)})')
+    _fail(path, f'cannot be read ({video_common.describe(e)})', reward)
   state = data.get('state_dict', data) if isinstance(data, dict) else data
   if not isinstance(state, dict) or not state:
-    _fail(path, f'is not a state dict (got {type(state).__name__})')
+    _fail(path, f'is not a state dict (got {type(state).__name__})', reward)
   odd = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
   if odd:
-    _fail(path, f'is not a state dict ({odd[0]!r} is a {type(state[odd[0]]).__name__}, not a tensor)')
+    _fail(path, f'is not a state dict ({odd[0]!r} is a {type(state[odd[0]]).__name__}, not a tensor)', reward)
   return {k: v.float() for k, v in state.items()}
 
 

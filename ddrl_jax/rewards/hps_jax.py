@@ -55,7 +55,6 @@ jax, flax, numpy on the device side; torch (reading the .pt file; preprocess='ho
 packages (openai-clip: ftfy, regex) on the host, imported when a reward is built.
 """
 import math
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -182,22 +181,8 @@ def _fail(path, what):
 
 
 def read_state_dict(path):
-  """{name: torch tensor} of an HPS checkpoint (torch.load, weights_only): its 'state_dict' or, without
-  that key, the file's dict itself. CheckpointError (one line naming hpsv21_jax and the file)."""
-  import torch  # pylint: disable=g-import-not-at-top
-  if not os.path.isfile(path):
-    _fail(path, f'no such file ({hps.CHECKPOINT_HINT})')
-  try:
-    data = torch.load(path, map_location='cpu', weights_only=True)
-  except Exception as e:  # pylint: disable=broad-except
-    _fail(path, f'cannot be read ({video_common.describe(e)})')
-  state = data.get('state_dict', data) if isinstance(data, dict) else data
-  if not isinstance(state, dict) or not state:
-    _fail(path, f'is not a state dict (got {type(state).__name__})')
-  odd = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
-  if odd:
-    _fail(path, f'is not a state dict ({odd[0]!r} is a {type(state[odd[0]]).__name__}, not a tensor)')
-  return state
+  """{name: float32 torch tensor} of an HPS checkpoint: hps.read_state_dict, its errors naming hpsv21_jax."""
+  return hps.read_state_dict(path, reward=REWARD)
 
 
 def load_params(path, config, what='open_clip ViT-H-14'):

@@ -72,6 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddrl_jax import parallel
+from ddrl_jax.models import family as family_lib
 from ddrl_jax.models import pipeline as pipeline_lib
 from ddrl_jax.models import text as text_lib
 from ddrl_jax.models.wan import vae as wan_vae
@@ -104,9 +105,8 @@ NEGATIVE_PROMPT = (
 
 
 def vae_config(c):
-  presets = {'wan21': wan_vae.wan21, 'tiny': wan_vae.tiny}
-  kw = dict(c.vae_overrides) if c.get('vae_overrides') else {}
-  return presets[c.vae](**kw)
+  """The Wan VAE config of config.cosmos.vae with config.cosmos.vae_overrides."""
+  return family_lib.vae_preset_config({'wan21': wan_vae.wan21, 'tiny': wan_vae.tiny}, c, 'config.cosmos')
 
 
 restore_converted = pipeline_lib.restore_converted

@@ -45,10 +45,7 @@ def dit_config(c):
 
 def vae_config(c):
   """The VAE config of config.sd3.vae (a VAE_PRESETS key) with config.sd3.vae_overrides."""
-  if c.vae not in VAE_PRESETS:
-    raise ValueError(f'config.sd3.vae={c.vae!r}: unknown preset; known: {sorted(VAE_PRESETS)}')
-  kw = dict(c.vae_overrides) if c.get('vae_overrides') else {}
-  return VAE_PRESETS[c.vae](**kw)
+  return family_lib.vae_preset_config(VAE_PRESETS, c, 'config.sd3')
 
 
 def text_encoders(c):

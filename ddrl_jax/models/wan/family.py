@@ -32,10 +32,7 @@ VAE_PRESETS = {'wan21': wan_vae.wan21, 'tiny': wan_vae.tiny}
 
 def vae_config(c):
   """The VAE config of config.wan.vae (a VAE_PRESETS key) with config.wan.vae_overrides."""
-  if c.vae not in VAE_PRESETS:
-    raise ValueError(f'config.wan.vae={c.vae!r}: unknown preset; known: {sorted(VAE_PRESETS)}')
-  kw = dict(c.vae_overrides) if c.get('vae_overrides') else {}
-  return VAE_PRESETS[c.vae](**kw)
+  return family_lib.vae_preset_config(VAE_PRESETS, c, 'config.wan')
 
 
 def text_encoder(c):
