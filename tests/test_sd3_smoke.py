@@ -123,6 +123,7 @@ def test_diffusers_folder_converts_and_loads_sharded(tmp_path):
 
   config = sd35m.get_config('flow_grpo_smoke')
   config.sd3.dit_overrides = {}
+  config.sd3.vae_overrides = {'latent_channels': 4}        # the family checks its VAE against the DiT
   config.sd3.checkpoint = str(tmp_path / 'dit')
   config.lora.rank = 0
   config.mesh.data, config.mesh.fsdp = 1, 8
