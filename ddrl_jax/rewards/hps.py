@@ -352,6 +352,22 @@ def build_model(model_cfg=None, device='meta'):
     return _modules()(cfg)
 
 
+def check_layout(path, state, expected, what, reward=REWARD):
+  """CheckpointError (one line naming `reward` and the file) unless `state` {name: tensor} holds exactly
+  the names of `expected` {name: shape} at those shapes."""
+  missing = sorted(set(expected) - set(state))
+  unexpected = sorted(set(state) - set(expected))
+  if missing or unexpected:
+    parts = [f'{len(missing)} missing (e.g. {missing[0]!r})' if missing else '',
+             f'{len(unexpected)} unexpected (e.g. {unexpected[0]!r})' if unexpected else '']
+    _fail(path, f'does not match the {what} CLIP: ' + ', '.join(p for p in parts if p), reward)
+  shapes = [k for k in expected if tuple(state[k].shape) != expected[k]]
+  if shapes:
+    k = shapes[0]
+    _fail(path, f'does not match the {what} CLIP: {len(shapes)} shapes differ, e.g. {k!r} '
+          f'{tuple(state[k].shape)}, not {expected[k]}', reward)
+
+
 def read_state_dict(path, reward=REWARD):
   """{name: float32 tensor} of an HPS checkpoint file (torch.load, weights_only=True): its 'state_dict' (the
   released files' layout) or, without that key, the file's dict itself. CheckpointError (one line naming
@@ -379,17 +395,7 @@ def load_model(path, model_cfg=None, device='cpu'):
   model = build_model(model_cfg)
   expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
   what = 'open_clip ViT-H-14' if model_cfg is None else 'model_cfg'
-  missing = sorted(set(expected) - set(state))
-  unexpected = sorted(set(state) - set(expected))
-  if missing or unexpected:
-    parts = [f'{len(missing)} missing (e.g. {missing[0]!r})' if missing else '',
-             f'{len(unexpected)} unexpected (e.g. {unexpected[0]!r})' if unexpected else '']
-    _fail(path, f'does not match the {what} CLIP: ' + ', '.join(p for p in parts if p))
-  shapes = [k for k in expected if tuple(state[k].shape) != expected[k]]
-  if shapes:
-    k = shapes[0]
-    _fail(path, f'does not match the {what} CLIP: {len(shapes)} shapes differ, e.g. {k!r} '
-          f'{tuple(state[k].shape)}, not {expected[k]}')
+  check_layout(path, state, expected, what)
   model.load_state_dict(state, strict=True, assign=True)
   return model.to(device).eval()
 

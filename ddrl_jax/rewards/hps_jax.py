@@ -191,17 +191,7 @@ def load_params(path, config, what='open_clip ViT-H-14'):
   hps' words, naming hpsv21_jax and the file)."""
   state = read_state_dict(path)
   expected = checkpoint_layout(config)
-  missing = sorted(set(expected) - set(state))
-  unexpected = sorted(set(state) - set(expected))
-  if missing or unexpected:
-    parts = [f'{len(missing)} missing (e.g. {missing[0]!r})' if missing else '',
-             f'{len(unexpected)} unexpected (e.g. {unexpected[0]!r})' if unexpected else '']
-    _fail(path, f'does not match the {what} CLIP: ' + ', '.join(p for p in parts if p))
-  shapes = [k for k in expected if tuple(state[k].shape) != expected[k]]
-  if shapes:
-    k = shapes[0]
-    _fail(path, f'does not match the {what} CLIP: {len(shapes)} shapes differ, e.g. {k!r} '
-          f'{tuple(state[k].shape)}, not {expected[k]}')
+  hps.check_layout(path, state, expected, what, reward=REWARD)
   dtype = np.dtype(config.vision.param_dtype)
   flat = cj.flat_shapes(config)
   out = {p: np.empty(s.shape, dtype) for p, s in flat.items()}
