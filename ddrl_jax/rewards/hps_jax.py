@@ -176,10 +176,6 @@ def _targets(name, value):
   return [(path, int(idx), value.T if path[-1] == 'kernel' else value)]
 
 
-def _fail(path, what):
-  video_common.fail(REWARD, path, what, error=CheckpointError)
-
-
 def read_state_dict(path):
   """{name: float32 torch tensor} of an HPS checkpoint: hps.read_state_dict, its errors naming hpsv21_jax."""
   return hps.read_state_dict(path, reward=REWARD)
