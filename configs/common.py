@@ -17,6 +17,10 @@ def base_config():
   c.num_iterations = 1000       # optimizer steps (one per rollout batch)
   c.batch_size = 16             # B condition groups per step
   c.num_rollouts = 8            # N rollouts per group
+  # Rollout slots per data-parallel position per chunk: the rollouts and the update run the B*N slots in
+  # chunks of micro_batch per device (a scan; gradients accumulated exactly), so memory follows the chunk,
+  # not the batch. 0: one chunk (the whole batch at once). Must divide B*N / (mesh data x fsdp).
+  c.micro_batch = 0
   c.log_every = 1
   c.checkpoint_every = 32
   c.max_checkpoints = 3

@@ -29,6 +29,11 @@ Each row's `attention` lists the attention kernels the lowered program really co
 min_flash_len) and `attention_family` the kernel the model family names for the target platform; a
 function whose long-sequence attention is anything else stops the run before its compile (exit 1).
 
+`--search_micro_batch` compiles the step at each micro-batch (config.micro_batch: rollout slots per device
+per chunk, the divisors of the slots per device from the largest down) until every function fits with
+`--margin` to spare, printing each candidate's rows (with `micro_batch`) and then one summary line
+{"micro_batch": the largest that fits, or null}; exits 1 when none does.
+
 Exits 1 when a function's peak does not fit the chip's HBM (or `--margin` of it). The compile options of
 LIBTPU_INIT_ARGS apply as in a real run (set the variable before starting).
 """
@@ -68,7 +73,7 @@ class KernelMismatch(ValueError):
 
 
 def _define_flags():
-  global _CONFIG, _TOPOLOGY, _NUM_SLICES, _OUT, _FNS, _MARGIN, _LOWER_ONLY
+  global _CONFIG, _TOPOLOGY, _NUM_SLICES, _OUT, _FNS, _MARGIN, _LOWER_ONLY, _SEARCH
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (get_config(arg)).',
                                             lock_config=True)
   _TOPOLOGY = flags.DEFINE_string('topology', None, "A TPU slice (e.g. v5p-512) or 'cpu-N'.")
@@ -77,6 +82,8 @@ def _define_flags():
   _FNS = flags.DEFINE_list('fns', [], f'Functions to compile, of {ALL_FUNCTIONS}; default: {FUNCTIONS}, '
                            f'and {TEXT_ENCODER!r} when the task runs a text encoder on the devices.')
   _MARGIN = flags.DEFINE_float('margin', 0.0, 'Fail unless this fraction of HBM stays free.')
+  _SEARCH = flags.DEFINE_bool('search_micro_batch', False, 'Find the largest config.micro_batch whose '
+                              'step fits with --margin to spare (module docstring).')
   _LOWER_ONLY = flags.DEFINE_bool('lower_only', False, 'Only lower each function and report the attention '
                                   'kernels its program holds (seconds instead of minutes; no memory).')
   distributed.define_flags()
@@ -286,6 +293,56 @@ def compile_report(config, topology, num_slices=1, fns=None, compiler_options=No
     yield row
 
 
+def micro_batch_candidates(config, num_devices):
+  """The micro-batches to try, largest first: the divisors of the rollout slots per data-parallel position
+  (the largest, the whole batch, is config.micro_batch = 0)."""
+  shape = dict(zip(parallel.AXES, config_lib.validate(config, num_devices)))
+  per_shard = config.batch_size * config.num_rollouts // (shape['data'] * shape['fsdp'])
+  return [m for m in range(per_shard, 0, -1) if per_shard % m == 0]
+
+
+def fits_with_margin(rows, margin):
+  """Whether every compiled function's peak leaves `margin` of the chip's memory free."""
+  return bool(rows) and all(r.get('hbm_bytes') and r.get('fits') and
+                            r['peak_bytes'] <= (1 - margin) * r['hbm_bytes'] for r in rows)
+
+
+def search_micro_batch(config, topology, num_slices=1, margin=0.1, fns=None, **compile_kwargs):
+  """Yields (micro_batch, rows of `compile_report`) for each candidate (`micro_batch_candidates`, largest
+  first) until one fits with `margin` to spare (`fits_with_margin`); the last one yielded is the answer
+  when it fits. micro_batch 0 stands for the whole batch."""
+  num_devices = (len(compile_kwargs['devices']) if compile_kwargs.get('devices') is not None
+                 else topology_lib.num_devices(topology, num_slices))
+  candidates = micro_batch_candidates(config, num_devices)
+  for micro in candidates:
+    trial = config.copy_and_resolve_references()
+    trial.micro_batch = 0 if micro == candidates[0] else micro
+    rows = [dict(row, micro_batch=trial.micro_batch) for row in
+            compile_report(trial, topology, num_slices, fns, **compile_kwargs)]
+    yield trial.micro_batch, rows
+    if fits_with_margin(rows, margin):
+      return
+
+
+def _search_main():
+  """--search_micro_batch: every candidate's rows, then {"micro_batch": the answer or null}."""
+  best, out = None, open(_OUT.value, 'a') if _OUT.value else None
+  for micro, rows in search_micro_batch(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _MARGIN.value,
+                                        _FNS.value or None):
+    for row in rows:
+      print(json.dumps(row), flush=True)
+      if out:
+        out.write(json.dumps(row) + '\n')
+    best = micro if fits_with_margin(rows, _MARGIN.value) else None
+  summary = json.dumps(dict(topology=_TOPOLOGY.value, margin=_MARGIN.value, micro_batch=best))
+  print(summary, flush=True)
+  if out:
+    out.write(summary + '\n')
+    out.close()
+  if best is None:
+    sys.exit(1)
+
+
 def main(argv):
   console.setup()
   if len(argv) > 1:
@@ -298,6 +355,9 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(f'--topology={_TOPOLOGY.value}: {e}') from e
   distributed.initialize(distributed.options_from_flags())   # the compilation cache; a no-op alone
+  if _SEARCH.value:
+    _search_main()
+    return
   failed = []
   out = open(_OUT.value, 'a') if _OUT.value else None
   try:

@@ -121,8 +121,23 @@ def validate(config, num_devices):
   _check(slots % dp == 0, 'batch_size', config.batch_size,
          f'batch_size * num_rollouts = {slots} rollouts are not divisible by the data-parallel mesh '
          f'size data*fsdp = {dp} (one rollout slot per data-parallel position)')
+  micro = config.get('micro_batch', 0)
+  _check(isinstance(micro, int) and micro >= 0, 'micro_batch', micro,
+         'must be an int >= 0 (rollout slots per device per chunk; 0: the whole batch in one chunk)')
+  if micro and slots % dp == 0:
+    _check((slots // dp) % micro == 0, 'micro_batch', micro,
+           f'must divide the {slots // dp} rollout slots per data-parallel position (batch_size '
+           f'{config.batch_size} x num_rollouts {config.num_rollouts} / data*fsdp {dp}); 0: one chunk')
   _validate_sharding(config, dict(zip(mesh_lib.AXES, shape)))
   return shape
+
+
+def slot_chunks(config, batch_shards):
+  """How many chunks the B*N rollout slots run in over `batch_shards` data-parallel positions
+  (config.micro_batch slots per position per chunk; 1 when it is 0 or covers the batch)."""
+  micro = config.get('micro_batch', 0)
+  per_shard = config.batch_size * config.num_rollouts // batch_shards
+  return per_shard // micro if micro else 1
 
 
 def _attention_shape(config):

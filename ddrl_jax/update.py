@@ -16,6 +16,7 @@ from ddrl_jax import parallel
 from ddrl_jax import rl as rl_lib
 from ddrl_jax import sampling
 from ddrl_jax.models import lora as lora_lib
+from ddrl_jax.parallel import micro_batch
 
 
 class TrainState(NamedTuple):
@@ -140,7 +141,7 @@ def _bound(apply_fn, cast_params, params):
   return apply_fn, cast_params(params)
 
 
-def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
+def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None, batch_shards=1):
   """The update in two pure halves, so the data term can run while rewards are pending.
 
     data_grads(params, rollout, data, key) -> (grads, metrics)      needs no rewards
@@ -152,6 +153,13 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
   Gradients are accumulated one trained step at a time (`rl.rl_loss_and_grad`), so memory does not grow
   with the number of trained steps. `cast_params` (e.g. the task's bf16 compute copy) is applied to the
   parameters once, before the step scan; gradients are taken with respect to that copy.
+
+  With config.micro_batch > 0 both halves run the B*N slots in C chunks over `batch_shards`
+  data-parallel positions (`parallel.micro_batch`): a scan over the chunks accumulates each chunk's
+  float32 gradient / C. Advantages are computed over whole groups first; every random draw is per slot
+  and every masked mean divides by the whole batch's count (`rl.algorithms` module docstring), so the
+  chunked update equals the unchunked one up to float summation order, metrics included (means are
+  averaged over the equal-sized chunks, `Algorithm.MAX_METRICS` maxed).
   """
   cast_params = cast_params or (lambda p: p)
   algo = rl_lib.get_algorithm(config.algorithm)
@@ -161,6 +169,14 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
   gamma = optim.power_ema_gamma(config.optim.ema_power_s) if config.optim.ema_power_s else None
   lr_schedule = optim.learning_rate_schedule(config.optim)
   use_data = algo.uses_data and rl.data_beta > 0
+  num_chunks = config_lib.slot_chunks(config, batch_shards)
+  chunks = lambda tree: micro_batch.to_chunks(tree, num_chunks, batch_shards)
+
+  def per_slot(traj, steps, key):
+    """(traj (S, 1, ...), steps (S, 1, K), per-slot keys (S, 1)) of group-layout (B, N, ...) inputs."""
+    b, n = steps.shape[:2]
+    slot = lambda a: a.reshape((b * n, 1) + a.shape[2:])
+    return jax.tree.map(slot, traj), slot(steps), slot(rl_lib.slot_keys(key, b, n))
 
   def prepare(rollout, key):
     k_steps, k_loss = jax.random.split(key)
@@ -179,8 +195,22 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
       return None, {}
     traj, _, _, steps, k_loss = prepare(rollout, key)
     apply, trained = _bound(apply_fn, cast_params, params)
-    value, grads = rl_lib.data_loss_and_grad(apply, trained, sampler, traj, steps, data_term(data),
-                                             k_loss)
+    if num_chunks == 1:
+      value, grads = rl_lib.data_loss_and_grad(apply, trained, sampler, traj, steps, data_term(data),
+                                               k_loss)
+    else:
+      n = steps.shape[1]
+      slot_data = DataBatch(x0=rl_lib.repeat_groups(data.x0, n), cond=rl_lib.repeat_groups(data.cond, n))
+
+      def body(acc, xs):
+        traj_c, steps_c, keys_c, data_c = xs
+        value, grads = rl_lib.data_loss_and_grad(apply, trained, sampler, traj_c, steps_c,
+                                                 data_term(data_c), keys_c)
+        return rl_lib.accumulate(acc, grads, 1.0 / num_chunks), value
+
+      grads, values = jax.lax.scan(body, rl_lib.f32_zeros(trained),
+                                   chunks(per_slot(traj, steps, k_loss) + (slot_data,)))
+      value = values.mean()
     scale = rl.loss_scale * rl.data_beta
     return jax.tree.map(lambda g: scale * g, grads), {'data_loss': value}
 
@@ -192,9 +222,24 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None):
     if state.frozen is not None and algo.uses_reference and rl.kl_beta > 0:
       ref = jax.tree.map(jnp.zeros_like, trained)    # the base: adapters contribute exactly 0
     old = None if state.old_params is None else cast_params(state.old_params)
-    _, metrics, grads = algo.loss_and_grad(apply, trained, ref, sampler, traj, advantages, steps, rollout.cond,
-                                           None, k_loss, options, old_params=old,
-                                           valid=jnp.isfinite(rewards).all(-1))
+    valid = jnp.isfinite(rewards).all(-1)
+    if num_chunks == 1:
+      _, metrics, grads = algo.loss_and_grad(apply, trained, ref, sampler, traj, advantages, steps,
+                                             rollout.cond, None, k_loss, options, old_params=old, valid=valid)
+    else:
+      mean_total = algo.mean_total(advantages, valid, options, num_chunks)
+      b, n = advantages.shape
+      slot = lambda a: a.reshape((b * n, 1) + a.shape[2:])
+
+      def body(acc, xs):
+        traj_c, steps_c, keys_c, adv_c, valid_c, cond_c = xs
+        _, m, g = algo.loss_and_grad(apply, trained, ref, sampler, traj_c, adv_c, steps_c, cond_c, None,
+                                     keys_c, options, old_params=old, valid=valid_c, mean_total=mean_total)
+        return rl_lib.accumulate(acc, g, 1.0 / num_chunks), m
+
+      grads, per_chunk = jax.lax.scan(body, rl_lib.f32_zeros(trained), chunks(
+          per_slot(traj, steps, k_loss) + (slot(advantages), slot(valid), rollout.cond)))
+      metrics = {k: v.max() if k in algo.MAX_METRICS else v.mean() for k, v in per_chunk.items()}
     if grads_data is not None:
       grads = jax.tree.map(jnp.add, grads, grads_data)
     grads, nonfinite = optim.zero_nonfinite(grads)
@@ -272,6 +317,28 @@ def make_sample_fn(sampler, apply_fn, sample_shape, mesh, param_shardings=None, 
                  out_shardings=plan.batch())
 
 
+def make_rollout_fn(sampler, apply_fn, sample_shape, config, cast_params=None, batch_shards=1):
+  """(params, slot cond (S, ...), key) -> Trajectory (S, 1, ...): one rollout per slot, in
+  config.micro_batch chunks of slots (`parallel.micro_batch`) when set. Slot i draws its noise from
+  split(key, (S, 1))[i] however the slots are chunked, so the trajectories are those of one batch. The
+  chunks run under `lax.map` (one compiled chunk, a loop on the device: the T-step scan inside keeps
+  its memory per chunk; a host loop would add a dispatch and a device-to-host sync per chunk)."""
+  cast = cast_params or (lambda p: p)
+  num_chunks = config_lib.slot_chunks(config, batch_shards)
+
+  def rollout(params, cond, key):
+    apply, trained = _bound(apply_fn, cast, params)
+    run = lambda c, k: sampler.rollout(apply, trained, c, k, num_rollouts=1, sample_shape=sample_shape)
+    if num_chunks == 1:
+      return run(cond, key)
+    keys = jax.random.split(key, (jax.tree.leaves(cond)[0].shape[0], 1))
+    out = jax.lax.map(lambda xs: run(*xs),
+                      micro_batch.to_chunks((cond, keys), num_chunks, batch_shards))
+    return micro_batch.from_chunks(out, batch_shards)
+
+  return rollout
+
+
 class StepFns(NamedTuple):
   """The jitted functions of one iteration (with their shardings; `ddrl_jax.aot` compiles the same)."""
   rollout: Any      # (params, slot cond (B*N, ...), key) -> Trajectory (B*N, 1, ...)
@@ -295,9 +362,9 @@ def build_step_fns(config, plan, state_shardings, apply_fn, sampler, sample_shap
   mesh."""
   sh, batch, rep = state_shardings, plan.batch(), plan.replicated()
   cast = cast_params or (lambda p: p)
-  rollout = lambda p, cond, k: sampler.rollout(*_bound(apply_fn, cast, p), cond, k, num_rollouts=1,
-                                               sample_shape=sample_shape)
-  data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer, cast)
+  shards = parallel.data_parallel_size(plan.mesh)
+  rollout = make_rollout_fn(sampler, apply_fn, sample_shape, config, cast, shards)
+  data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer, cast, batch_shards=shards)
   grads_sh = sh.params if uses_data_grads(config) else None
   model_sh = model_params(sh)          # the shardings of model_params(state)
   return StepFns(

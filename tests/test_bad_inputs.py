@@ -104,6 +104,7 @@ VALIDATE = [
      "the exact tilt transform needs one reward or combine='weighted_sum'"),
     ('ddrl', {'mesh.fsdp': 3}, 'config.mesh'),
     ('ddrl', {'batch_size': 3}, 'not divisible by the data-parallel mesh size data*fsdp = 8'),
+    ('ddrl', {'micro_batch': 3}, 'config.micro_batch=3: must divide the'),
     ('ddrl', {'sharding.context_impl': 'usp'}, "config.sharding.context_impl='usp': known:"),
     ('ddrl', {'sharding.max_replicated_fraction': 1.5}, 'config.sharding.max_replicated_fraction=1.5'),
     ('ddrl', {'sharding.fsdp_axes': 'fsdp,pod'}, "config.sharding.fsdp_axes='fsdp,pod': unknown mesh axes"),

@@ -148,12 +148,14 @@ def test_loss_and_grad_equals_grad_of_the_loss(problem):
   assert set(metrics) == set(metrics2)
   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-  # The loss is the mean over the K drawn times of step_loss at those times (fresh noise per time).
-  keys = jax.random.split(key, k)
+  # The loss is the mean over the K drawn times of step_loss at those times: fresh noise per time and
+  # slot, slot i's from the j-th split of its own key (the i-th split of `key`).
+  slot_keys = jax.random.split(key, b * n)
   per_step = []
   for j in range(k):
     t = jnp.take_along_axis(traj.t_in, steps[..., j:j + 1], axis=2)[..., 0].reshape(-1)
-    noise = jax.random.normal(keys[j], p['x0'].shape)
+    noise = jnp.stack([jax.random.normal(jax.random.split(slot_keys[i], k)[j], shape)
+                       for i in range(b * n)])
     per_step.append(nft.step_loss(linear_apply, p['params'], p['old'], p['ref'], p['x0'], t, noise,
                                   p['cond'], nft.optimality_weights(adv.reshape(-1), 5.0), beta=0.1,
                                   adv_clip_max=5.0, kl_beta=0.01)[0])

@@ -12,10 +12,12 @@ from ddrl_jax.rl.algorithms import Algorithm
 from ddrl_jax.rl.algorithms import DataTerm
 from ddrl_jax.rl.algorithms import data_loss
 from ddrl_jax.rl.algorithms import data_loss_and_grad
+from ddrl_jax.rl.algorithms import accumulate
 from ddrl_jax.rl.algorithms import data_loss_reference
 from ddrl_jax.rl.algorithms import dance_grpo_loss
 from ddrl_jax.rl.algorithms import ddpo_loss
 from ddrl_jax.rl.algorithms import ddrl_loss
+from ddrl_jax.rl.algorithms import f32_zeros
 from ddrl_jax.rl.algorithms import flow_grpo_loss
 from ddrl_jax.rl.algorithms import flow_grpo_std_dev
 from ddrl_jax.rl.algorithms import per_step_vjp
@@ -23,6 +25,7 @@ from ddrl_jax.rl.algorithms import repeat_groups
 from ddrl_jax.rl.algorithms import rl_loss
 from ddrl_jax.rl.algorithms import rl_loss_and_grad
 from ddrl_jax.rl.algorithms import rl_loss_reference
+from ddrl_jax.rl.algorithms import slot_keys
 from ddrl_jax.rl.algorithms import step_kl
 from ddrl_jax.rl.diffusion_loss import cosmos_loss_weight
 from ddrl_jax.rl.diffusion_loss import drop_condition

@@ -28,6 +28,15 @@ Three forms of the same objective:
     L = loss_scale * ( mean_k [ L_pg,k + kl_beta * KL_k ] + data_beta * L_data at one random trained
         step per rollout )                                                               ('random_step')
 
+Random draws (the data term's fresh noise, condition dropout and random step; DiffusionNFT's noise) are
+made per rollout slot from `slot_keys(key, B, N)`: slot (b, n)'s draws depend on its own key only, so a
+batch split into chunks of slots (the trainer's micro-batches, `ddrl_jax.update`) draws what the whole
+batch draws. Every `key` argument is either one PRNG key or those (B, N) per-slot keys.
+
+Means over samples that leave some out (FlowGRPO's zero-advantage filter; DiffusionNFT's failed samples)
+divide by `mean_total` when given: the chunked update passes the whole batch's count over the number of
+chunks, so that the mean of the chunks' values is the batch's mean.
+
 KL_k has two forms (`step_kl`): 'exact', the KL of the two equal-variance Gaussian steps,
 mean (mu_theta - mu_ref)^2 / (2 std^2) with the transition std; and 'flow_grpo', FlowGRPO's code
 (yifan123/flow_grpo scripts/train_sd3.py, the `kl_loss` of its training loop), which divides by
@@ -101,21 +110,39 @@ class DataTerm:
                        f'got {self.weighting!r}')
 
 
+def slot_keys(key, batch, num_rollouts):
+  """(B, N) typed PRNG keys, one per rollout slot: `key` split B*N ways (group-major), or `key` itself when
+  it already is (B, N) keys (a chunk of a batch's slots). Raw uint32 keys are wrapped."""
+  if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key)
+  if key.shape == (batch, num_rollouts):
+    return key
+  if key.shape != ():
+    raise ValueError(f'key: one PRNG key or ({batch}, {num_rollouts}) per-slot keys, got shape {key.shape}')
+  return jax.random.split(key, batch * num_rollouts).reshape(batch, num_rollouts)
+
+
+def split_slot_keys(keys, num):
+  """(B, N) keys -> (num, B, N) keys: each slot's key split `num` ways (leading axis for a scan)."""
+  return jnp.moveaxis(jax.vmap(jax.vmap(lambda k: jax.random.split(k, num)))(keys), 2, 0)
+
+
 def repeat_groups(tree, n):
   """(B, ...) -> (B * N, ...), each group's entry repeated N times (group-major)."""
   return jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), tree)
 
 
-def _data_loss_at(apply_fn, params, sampler, inp, traj_noise, data, key):
-  """Mean data loss over (B, N) at the noise levels of the step inputs `inp` ((B, N) scalars)."""
+def _data_loss_at(apply_fn, params, sampler, inp, traj_noise, data, keys):
+  """Mean data loss over (B, N) at the noise levels of the step inputs `inp` ((B, N) scalars); keys (B, N)
+  per-slot keys of this step."""
   b, n = inp.t_in.shape
-  k_noise, k_drop = jax.random.split(key)
+  k_noise, k_drop = split_slot_keys(keys, 2)
   x0 = repeat_groups(data.x0, n)
   if data.noise == 'rollout':
     noise = traj_noise.reshape(x0.shape)
   else:
-    noise = jax.random.normal(k_noise, x0.shape, x0.dtype)
-  cond = diffusion_loss.drop_condition(repeat_groups(data.cond, n), k_drop, data.cond_dropout)
+    noise = jax.vmap(lambda k: jax.random.normal(k, x0.shape[1:], x0.dtype))(k_noise.reshape(-1))
+  cond = diffusion_loss.drop_condition(repeat_groups(data.cond, n), k_drop.reshape(-1), data.cond_dropout)
   if data.weighting == 'cosmos_rl':
     weight = None
   elif data.weighting == 'path_kl':
@@ -206,7 +233,8 @@ def data_loss_and_grad(apply_fn, params, sampler, traj, steps, data, key):
   """`data_loss` and its gradient, accumulated one trained step at a time ('full'; 'first' and
   'random_step' have one term). Returns (loss, float32 grads with the structure of params)."""
   num_k = steps.shape[-1]
-  k_steps, _ = jax.random.split(key)
+  key = slot_keys(key, *steps.shape[:2])
+  k_steps = split_slot_keys(key, 2)[0]
   if data.steps != 'full':
     value, grads = jax.value_and_grad(
         lambda p: data_loss_reference(apply_fn, p, sampler, traj, steps, data, key))(params)
@@ -220,7 +248,7 @@ def data_loss_and_grad(apply_fn, params, sampler, traj, steps, data, key):
     return accumulate(acc, grads, 1.0 / num_k), value
 
   grads, per_step = jax.lax.scan(body, f32_zeros(params),
-                                 (jnp.moveaxis(steps, -1, 0), jax.random.split(k_steps, num_k)))
+                                 (jnp.moveaxis(steps, -1, 0), split_slot_keys(k_steps, num_k)))
   return per_step.mean(), grads
 
 
@@ -250,11 +278,11 @@ def data_loss_reference(apply_fn, params, sampler, traj, steps, data, key):
     trained step per rollout.
   """
   num_k = steps.shape[-1]
-  k_steps, k_reduced = jax.random.split(key)
+  k_steps, k_reduced = split_slot_keys(slot_keys(key, *steps.shape[:2]), 2)
   if data.steps == 'first':
     # The key of step 0 in 'full', so 'first' is exactly 1/K of the first term of 'full'.
     first = _step_inputs(samplers.gather_step(traj, steps[..., 0]))
-    step_key = jax.random.split(k_steps, num_k)[0]
+    step_key = split_slot_keys(k_steps, num_k)[0]
     return _data_loss_at(apply_fn, params, sampler, first, traj.noise, data, step_key) / num_k
   picked = samplers.gather_steps(traj, steps)
   if data.steps == 'full':
@@ -262,10 +290,10 @@ def data_loss_reference(apply_fn, params, sampler, traj, steps, data, key):
       pick, step_key = xs
       return None, _data_loss_at(apply_fn, params, sampler, _step_inputs(pick), traj.noise, data,
                                  step_key)
-    _, per_step = jax.lax.scan(body, None, (picked, jax.random.split(k_steps, num_k)))
+    _, per_step = jax.lax.scan(body, None, (picked, split_slot_keys(k_steps, num_k)))
     return per_step.mean()
-  k_pick, k_data = jax.random.split(k_reduced)
-  which = jax.random.randint(k_pick, steps.shape[:2], 0, num_k)   # (B, N) positions in K
+  k_pick, k_data = split_slot_keys(k_reduced, 2)
+  which = jax.vmap(jax.vmap(lambda k: jax.random.randint(k, (), 0, num_k)))(k_pick)   # (B, N) positions
   # Only the noise levels of the drawn step matter: the (K, B, N) scalar fields.
   levels = {f: jnp.take_along_axis(picked[f], which[None], axis=0)[0]
             for f in ('step', 't_in', 'sigma_in', 'sigma_next', 'sigma_prev')}
@@ -276,7 +304,7 @@ def data_loss_reference(apply_fn, params, sampler, traj, steps, data, key):
 def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
             log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
             data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout', kl_form='exact',
-            drop_zero_advantages=False, pg_weight=1.0):
+            drop_zero_advantages=False, pg_weight=1.0, mean_total=None):
   """The shared clipped policy-gradient loss with optional reverse-KL and data terms.
 
   Args:
@@ -287,7 +315,8 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
     advantages: (B, N).
     steps: (B, N, K) int32 trained step indices.
     cond: pytree of (B, ...) rollout conditions, or of (B*N, ...) per-slot ones.
-    key: PRNG key (data noise, condition dropout, the random_step variant's step draw).
+    key: PRNG key, or (B, N) per-slot keys (`slot_keys`): data noise, condition dropout, the random_step
+      variant's step draw.
     clip_range: PPO epsilon.
     log_ratio_form: 'cosmos_rl' or 'gaussian' (see `policy.log_ratio`; 'cosmos' is accepted).
     ref_params: frozen reference parameters, required iff kl_beta > 0.
@@ -306,6 +335,8 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
       `samples["advantages"]` before training): rollouts whose advantage is exactly 0 leave the update,
       so the policy-gradient and KL means run over the other rollouts (all rollouts dropped: 0).
       FlowGRPO also re-adds random dropped samples until its batch splits evenly; that is not done here.
+    mean_total: what the kept-sample means divide by (None: the kept count of this batch; module
+      docstring).
     pg_weight: weight of the policy-gradient term (1; 0 trains the KL and data terms alone, a control
       that separates what the data term does by itself). The metric pg_loss stays unweighted.
   Returns:
@@ -317,7 +348,7 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
   """
   opts = dict(clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
               loss_scale=loss_scale, old_mean=old_mean, kl_form=kl_form,
-              drop_zero_advantages=drop_zero_advantages, pg_weight=pg_weight)
+              drop_zero_advantages=drop_zero_advantages, pg_weight=pg_weight, mean_total=mean_total)
   _check_rl_options(old_mean, kl_beta, ref_params, kl_form, sampler)
 
   def reference(p, ref, rest):
@@ -337,7 +368,7 @@ def rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, cl
 def rl_loss_reference(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
                       log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
                       data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout',
-                      kl_form='exact', drop_zero_advantages=False, pg_weight=1.0):
+                      kl_form='exact', drop_zero_advantages=False, pg_weight=1.0, mean_total=None):
   """`rl_loss` (same arguments and value) as a plain scan over the K trained steps: reverse mode through it
   keeps the residuals of every step (module docstring). The form the others are tested against."""
   _check_rl_options(old_mean, kl_beta, ref_params, kl_form, sampler)
@@ -345,7 +376,8 @@ def rl_loss_reference(apply_fn, params, sampler, traj, advantages, steps, cond, 
   step = functools.partial(_policy_step, apply_fn, sampler, advantages, cond, ref_params=ref_params,
                            clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
                            old_mean=old_mean, kl_form=kl_form,
-                           drop_zero_advantages=drop_zero_advantages, pg_weight=pg_weight)
+                           drop_zero_advantages=drop_zero_advantages, pg_weight=pg_weight,
+                           mean_total=mean_total)
   _, per_step = jax.lax.scan(lambda _, pick: (None, step(params, pick)[1]), None, picked)
   metrics = _step_metrics(per_step)
   total = pg_weight * metrics['pg_loss']
@@ -362,7 +394,7 @@ def rl_loss_reference(apply_fn, params, sampler, traj, advantages, steps, cond, 
 def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, key, *, clip_range,
                      log_ratio_form='gaussian', ref_params=None, kl_beta=0.0,
                      data: Optional[DataTerm] = None, loss_scale=1.0, old_mean='rollout',
-                     kl_form='exact', drop_zero_advantages=False, pg_weight=1.0):
+                     kl_form='exact', drop_zero_advantages=False, pg_weight=1.0, mean_total=None):
   """`rl_loss` with its gradient accumulated one trained step at a time (module docstring).
 
   Same arguments as `rl_loss`. Returns (loss, metrics, grads): the loss and metrics equal rl_loss's, and
@@ -373,7 +405,8 @@ def rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, k
   step = functools.partial(_policy_step, apply_fn, sampler, advantages, cond, ref_params=ref_params,
                            clip_range=clip_range, log_ratio_form=log_ratio_form, kl_beta=kl_beta,
                            old_mean=old_mean, kl_form=kl_form,
-                           drop_zero_advantages=drop_zero_advantages, pg_weight=pg_weight)
+                           drop_zero_advantages=drop_zero_advantages, pg_weight=pg_weight,
+                           mean_total=mean_total)
 
   def body(acc, step_k):      # step_k (B, N): this step's inputs are gathered here, one step at a time
     (_, out), grads = jax.value_and_grad(step, has_aux=True)(params, samplers.gather_step(traj, step_k))
@@ -452,16 +485,19 @@ def step_kl(mean_theta, mean_ref, std, sigma_in, sigma_next, sampler_kind, form=
   return sq / (2.0 * scale**2)
 
 
-def sample_mean(per_sample, keep):
-  """Mean of (B, N) per-sample terms over all samples (keep None) or over the kept ones."""
+def sample_mean(per_sample, keep, total=None):
+  """Mean of (B, N) per-sample terms over all samples (keep None) or over the kept ones: their sum over
+  `total` (default: how many are kept here; the chunked update gives the whole batch's count over its
+  number of chunks, module docstring)."""
   if keep is None:
     return per_sample.mean()
-  return jnp.where(keep, per_sample, 0.0).sum() / jnp.maximum(keep.sum(), 1)
+  total = keep.sum() if total is None else total
+  return jnp.where(keep, per_sample, 0.0).sum() / jnp.maximum(total, 1)
 
 
 def _policy_step(apply_fn, sampler, advantages, cond, params, pick, *, ref_params, clip_range,
                  log_ratio_form, kl_beta, old_mean, kl_form='exact', drop_zero_advantages=False,
-                 pg_weight=1.0):
+                 pg_weight=1.0, mean_total=None):
   """One trained step's policy terms: (pg_weight * pg + kl_beta * kl, metrics of the step); pick as gather_steps'
   entries at one k ((B, N, ...) fields)."""
   inp = _step_inputs(pick)
@@ -470,7 +506,7 @@ def _policy_step(apply_fn, sampler, advantages, cond, params, pick, *, ref_param
   lr = policy.log_ratio(pick['x_next'], mean_theta, mean_old, pick['std'], log_ratio_form)
   pg, ratio, clipped = policy.clipped_policy_loss(advantages, lr, clip_range)
   keep = advantages != 0 if drop_zero_advantages else None
-  out = dict(pg_loss=sample_mean(pg, keep), ratio_mean=ratio.mean(),
+  out = dict(pg_loss=sample_mean(pg, keep, mean_total), ratio_mean=ratio.mean(),
              ratio_max_dev=jnp.abs(ratio - 1.0).max(), clipfrac=clipped.mean(),
              approx_kl=0.5 * (lr**2).mean())
   if keep is not None:
@@ -480,7 +516,7 @@ def _policy_step(apply_fn, sampler, advantages, cond, params, pick, *, ref_param
     mean_ref = jax.lax.stop_gradient(sampler.batched_step(apply_fn, ref_params, inp, cond)[0])
     kl = step_kl(mean_theta, mean_ref, pick['std'], pick['sigma_in'], pick['sigma_next'], sampler.kind,
                  kl_form)
-    out['kl'] = sample_mean(kl, keep)
+    out['kl'] = sample_mean(kl, keep, mean_total)
     term = term + kl_beta * out['kl']
   return term, out
 
@@ -635,21 +671,34 @@ class Algorithm:
       kw.update(ref_params=ref_params, kl_beta=options.kl_beta, kl_form=options.kl_form)
     return kw
 
+  def mean_total(self, advantages, valid, options, num_chunks):
+    """What this algorithm's masked sample means divide by in each of `num_chunks` chunks of a batch with
+    (B, N) `advantages` and `valid` samples (None: its means are plain means). The clipped policy
+    gradient's mask is FlowGRPO's zero-advantage filter."""
+    del valid
+    if not options.drop_zero_advantages:
+      return None
+    return (advantages != 0).sum() / num_chunks
+
+  # Metrics that are maxima, not means, over a batch's samples (the chunked update takes their max).
+  MAX_METRICS: ClassVar[tuple] = ('ratio_max_dev',)
+
   def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, options,
-           *, old_params=None, valid=None):
+           *, old_params=None, valid=None, mean_total=None):
     """The algorithm's loss (`rl_loss`: the per-step gradient) with `options` (RLOptions). `old_params`
     and `valid` are for objectives that use them (the clipped policy gradient reads neither: the
-    rollout's stored means are its old policy, and failed samples have advantage 0)."""
+    rollout's stored means are its old policy, and failed samples have advantage 0); `mean_total` is
+    `self.mean_total`'s value for a chunk of a batch (None for a whole batch)."""
     del old_params, valid
     return rl_loss(apply_fn, params, sampler, traj, advantages, steps, cond, key,
-                   **self._options(ref_params, data, options))
+                   mean_total=mean_total, **self._options(ref_params, data, options))
 
   def loss_and_grad(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key,
-                    options, *, old_params=None, valid=None):
+                    options, *, old_params=None, valid=None, mean_total=None):
     """(loss, metrics, float32 grads): `loss` with the gradient accumulated per trained step."""
     del old_params, valid
     return rl_loss_and_grad(apply_fn, params, sampler, traj, advantages, steps, cond, key,
-                            **self._options(ref_params, data, options))
+                            mean_total=mean_total, **self._options(ref_params, data, options))
 
 
 # The clipped policy-gradient algorithms; rl/registry.py holds every algorithm (DiffusionNFT too).

@@ -21,6 +21,7 @@ def drop_condition(cond, key, rate):
 
   cond: pytree of (batch, ...) arrays. If it is a dict with a 'text' entry, only that entry is dropped
   (cosmos drops the text embedding but keeps image-to-video frames); otherwise every leaf is.
+  key: one PRNG key, or (batch,) keys, one per sample (each sample's draw then depends on its key only).
   Returns the same structure.
   """
   leaves = jax.tree.leaves(cond)
@@ -28,7 +29,10 @@ def drop_condition(cond, key, rate):
     return cond
   if isinstance(cond, dict) and 'text' in cond:
     return {**cond, 'text': drop_condition(cond['text'], key, rate)}
-  keep = jax.random.bernoulli(key, 1.0 - rate, (leaves[0].shape[0],))
+  if key.ndim and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate))(key)
+  else:
+    keep = jax.random.bernoulli(key, 1.0 - rate, (leaves[0].shape[0],))
   return jax.tree.map(lambda c: jnp.where(keep.reshape((-1,) + (1,) * (c.ndim - 1)), c, 0).astype(c.dtype),
                       cond)
 

@@ -73,7 +73,7 @@ def _per_sample_mean(a):
 
 
 def step_loss(apply_fn, params, old_params, ref_params, x0, t, noise, cond, r, *, beta, adv_clip_max,
-              kl_beta=0.0, valid=None):
+              kl_beta=0.0, valid=None, mean_total=None):
   """The loss at one forward-process time per sample, and its metrics.
 
   Args:
@@ -85,6 +85,8 @@ def step_loss(apply_fn, params, old_params, ref_params, x0, t, noise, cond, r, *
     beta: the NFT mixing strength (> 0); adv_clip_max: the advantage clip (the loss is scaled by it);
     kl_beta: weight of the velocity MSE to the reference.
     valid: (M,) bool, samples that count (None: all); the means run over them (0 if none).
+    mean_total: what those means divide by (None: the valid count; a chunk of a batch gives the batch's
+      count over its number of chunks, `algorithms.sample_mean`).
   Returns:
     (scalar loss, dict of scalar metrics).
   """
@@ -107,7 +109,7 @@ def step_loss(apply_fn, params, old_params, ref_params, x0, t, noise, cond, r, *
   positive = _per_sample_mean(err_pos**2) / w_pos
   negative = _per_sample_mean(err_neg**2) / w_neg
   per_sample = (r * positive + (1.0 - r) * negative) / beta
-  mean = lambda per_sample: algorithms.sample_mean(per_sample, valid)
+  mean = lambda per_sample: algorithms.sample_mean(per_sample, valid, mean_total)
   policy = mean(per_sample * adv_clip_max)
   metrics = dict(nft_policy_loss=policy, nft_unweighted_loss=mean(per_sample),
                  nft_old_deviation=mean(_per_sample_mean((v - v_old)**2)), nft_r_mean=mean(r))
@@ -124,28 +126,29 @@ def _flat(a):
   return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
 
 
-def _step_args(traj, advantages, cond, step_k, key, adv_clip_max):
-  """step_loss's (x0, t, noise, cond, r) at one trained step per rollout (step_k (B, N)), as (B*N, ...)."""
+def _step_args(traj, advantages, cond, step_k, keys, adv_clip_max):
+  """step_loss's (x0, t, noise, cond, r) at one trained step per rollout (step_k (B, N); keys (B, N), the
+  step's per-slot keys), as (B*N, ...)."""
   x0 = _flat(traj.x0)
   t = _flat(jnp.take_along_axis(traj.t_in, step_k[..., None], axis=2)[..., 0])
-  noise = jax.random.normal(key, x0.shape, jnp.float32).astype(x0.dtype)
+  noise = jax.vmap(lambda k: jax.random.normal(k, x0.shape[1:], jnp.float32))(_flat(keys)).astype(x0.dtype)
   return x0, t, noise, cond, _flat(optimality_weights(advantages, adv_clip_max))
 
 
 def nft_loss(apply_fn, params, old_params, ref_params, traj, advantages, steps, cond, key, *, beta,
-             adv_clip_max, kl_beta=0.0, loss_scale=1.0, valid=None):
+             adv_clip_max, kl_beta=0.0, loss_scale=1.0, valid=None, mean_total=None):
   """DiffusionNFT's loss over the K trained times of every rollout (the reference form: jax.grad of it
   keeps all K steps' residuals).
 
   Args: traj `Trajectory` (B, N, ...) (only x0 and t_in are read), advantages (B, N), steps (B, N, K)
-    indices into the sampler's T steps, cond pytree of (B*N, ...) slot conditions, key PRNG key (the
-    fresh noise, one draw per trained step), valid (B, N) bool or None (failed samples False); the rest
-    as `step_loss`.
+    indices into the sampler's T steps, cond pytree of (B*N, ...) slot conditions, key PRNG key or (B, N)
+    per-slot keys (`algorithms.slot_keys`: the fresh noise, one draw per slot and trained step), valid
+    (B, N) bool or None (failed samples False); the rest as `step_loss`.
   Returns: (loss, metrics): means over the K steps.
   """
-  keys = jax.random.split(key, steps.shape[-1])
+  keys = algorithms.split_slot_keys(algorithms.slot_keys(key, *steps.shape[:2]), steps.shape[-1])
   step = functools.partial(step_loss, apply_fn, beta=beta, adv_clip_max=adv_clip_max, kl_beta=kl_beta,
-                           valid=None if valid is None else valid.reshape(-1))
+                           valid=None if valid is None else valid.reshape(-1), mean_total=mean_total)
 
   def body(_, xs):
     step_k, k = xs
@@ -159,14 +162,14 @@ def nft_loss(apply_fn, params, old_params, ref_params, traj, advantages, steps, 
 
 
 def nft_loss_and_grad(apply_fn, params, old_params, ref_params, traj, advantages, steps, cond, key, *,
-                      beta, adv_clip_max, kl_beta=0.0, loss_scale=1.0, valid=None):
+                      beta, adv_clip_max, kl_beta=0.0, loss_scale=1.0, valid=None, mean_total=None):
   """`nft_loss` with its gradient accumulated one trained time at a time (activation memory independent
   of K). Returns (loss, metrics, float32 grads with the structure of params); equal to jax.grad of
   nft_loss up to float summation order (the same noise draws)."""
   num_k = steps.shape[-1]
-  keys = jax.random.split(key, num_k)
+  keys = algorithms.split_slot_keys(algorithms.slot_keys(key, *steps.shape[:2]), num_k)
   step = functools.partial(step_loss, apply_fn, beta=beta, adv_clip_max=adv_clip_max, kl_beta=kl_beta,
-                           valid=None if valid is None else valid.reshape(-1))
+                           valid=None if valid is None else valid.reshape(-1), mean_total=mean_total)
 
   def body(acc, xs):
     step_k, k = xs
@@ -217,17 +220,24 @@ class DiffusionNFT(algorithms.Algorithm):
     return dict(beta=options.nft_beta, adv_clip_max=options.adv_clip, kl_beta=options.kl_beta,
                 loss_scale=options.loss_scale)
 
+  def mean_total(self, advantages, valid, options, num_chunks):
+    """The valid-sample count of the batch over `num_chunks` (the means run over valid samples)."""
+    del advantages, options
+    return None if valid is None else valid.sum() / num_chunks
+
+  MAX_METRICS = ()
+
   def loss(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key, options,
-           *, old_params=None, valid=None):
+           *, old_params=None, valid=None, mean_total=None):
     del sampler, data
     return nft_loss(apply_fn, params, old_params, ref_params, traj, advantages, steps, cond, key,
-                    valid=valid, **self._kwargs(options))
+                    valid=valid, mean_total=mean_total, **self._kwargs(options))
 
   def loss_and_grad(self, apply_fn, params, ref_params, sampler, traj, advantages, steps, cond, data, key,
-                    options, *, old_params=None, valid=None):
+                    options, *, old_params=None, valid=None, mean_total=None):
     del sampler, data
     return nft_loss_and_grad(apply_fn, params, old_params, ref_params, traj, advantages, steps, cond, key,
-                             valid=valid, **self._kwargs(options))
+                             valid=valid, mean_total=mean_total, **self._kwargs(options))
 
 
 DIFFUSION_NFT = DiffusionNFT('diffusion_nft', 'flow_sde', uses_reference=True, uses_data=False,

@@ -197,7 +197,7 @@ class Sampler:
     sample_shape = tuple(sample_shape)
     batch = jax.tree.leaves(cond)[0].shape[0]
     bn = (batch, num_rollouts)
-    keys = jax.random.split(key, bn)
+    keys = key if key.shape == bn else jax.random.split(key, bn)
     draw = lambda k: jax.random.normal(k, (self.num_steps + 2,) + sample_shape)
     z = jnp.moveaxis(jax.vmap(jax.vmap(draw))(keys), 2, 0)   # (T + 2, B, N, *S)
     noise = z[0]
@@ -249,7 +249,9 @@ class Sampler:
       apply_fn: batched denoiser, see module docstring.
       params: its parameters (pytree).
       cond: pytree of (B, ...) conditions.
-      key: PRNG key; rollout (b, n) draws its noise from its own split of it.
+      key: PRNG key; rollout (b, n) draws its noise from its own split of it (split(key, (B, N))[b, n]).
+        (B, N) keys are those splits themselves: a chunk of a batch's slots then draws what it draws in
+        the whole batch.
       num_rollouts: N.
       sample_shape: S, the shape of one sample (static).
     Returns:
