@@ -114,6 +114,8 @@ def parse_args(argv):
                                                 "instead of the local device; needs --compile_only")
   p.add_argument('--compile_only', action='store_true', help='compile and report memory; run nothing')
   p.add_argument('--seed', type=int, default=0)
+  p.add_argument('--micro_batch', type=int, default=0, help='config.micro_batch: rollout slots per chunk '
+                 '(one device; 0: the whole batch at once)')
   args = p.parse_args(argv)
   for name, (full, tiny) in DEFAULTS.items():
     if getattr(args, name) is None:
@@ -172,9 +174,11 @@ def make_config(args, platform):
     c.batch_size, c.num_rollouts = args.groups, args.rollouts
     c.mesh.update(data=1, fsdp=1, context=1, tensor=1)
     c.sharding.context_impl = 'none'
+    c.micro_batch = args.micro_batch
     return c
   c = cosmos2b.get_config('smoke' if args.tiny else '')
   c.batch_size, c.num_rollouts = args.groups, args.rollouts
+  c.micro_batch = args.micro_batch
   c.mesh.update(data=1, fsdp=1, context=1, tensor=1)
   c.sharding.context_impl = 'none'
   c.sampler.num_steps = args.num_steps
@@ -307,16 +311,16 @@ def run_iteration(compiled, state, inputs, key):
 def shape_report(config, task):
   if config.task != 'video':
     return dict(family=task.family.name, sample_shape=list(task.sample_shape), groups=config.batch_size,
-                rollouts=config.num_rollouts, num_steps=config.sampler.num_steps,
+                rollouts=config.num_rollouts, micro_batch=config.micro_batch, num_steps=config.sampler.num_steps,
                 train_steps=list(config_lib.train_steps(config)), lora_rank=config.lora.rank,
                 dtype=task.compute_dtype, remat=task.family.remat_policy)
   cc = config.cosmos
   lt, lh, lw = cc.latent_shape
-  p = task.dit.patch
-  return dict(model=cc.model, num_blocks=task.dit.num_blocks, frames=cc.frames, height=cc.height,
+  p = task.family.dit.patch
+  return dict(model=cc.model, num_blocks=task.family.dit.num_blocks, frames=cc.frames, height=cc.height,
               width=cc.width, latent_shape=list(cc.latent_shape),
               tokens=(lt // p[0]) * (lh // p[1]) * (lw // p[2]), text_length=cc.text_length,
-              groups=config.batch_size, rollouts=config.num_rollouts,
+              groups=config.batch_size, rollouts=config.num_rollouts, micro_batch=config.micro_batch,
               num_steps=config.sampler.num_steps, train_steps=list(config.rl.train_steps),
               data_loss_steps=config.rl.data_loss_steps, dtype=cc.dtype, remat=cc.remat_policy,
               attention=cc.attention.kernel)

@@ -27,6 +27,7 @@ from configs import ocr_tiny
 import ocr_table  # pylint: disable=g-bad-import-order  # benchmarks/ocr_table.py, beside this file
 from ddrl_jax import evaluate as evaluate_lib
 from ddrl_jax import xla_flags
+from ddrl_jax.tasks import ocr_eval
 from ddrl_jax.tasks import ocr_judges
 from ddrl_jax.tasks import ocr_metrics
 from ddrl_jax.tasks import text_render
@@ -52,7 +53,7 @@ def base_samples(config, noise_seed, prompts=64, per_prompt=4):
   rng = np.random.default_rng(0)
   held = [text_render.sample_text(rng, 'heldout') for _ in range(prompts)]
   texts = [t for t in held for _ in range(per_prompt)]
-  images, finite = evaluate_lib.sample_images(config, apply_fn, params, task, texts, noise_seed)
+  images, finite = ocr_eval.sample_images(config, apply_fn, params, task, texts, noise_seed)
   return images[finite]
 
 
@@ -89,7 +90,7 @@ def main(argv=None):
           ('base samples, noise seed 1 (drift noise floor)', base1),
           ('base samples, 32 (noise seed 1)', base1[:32])]
   shifted = args.shifted_base
-  if shifted and os.path.exists(os.path.join(evaluate_lib.ocr_task.REPO_ROOT, shifted)):
+  if shifted and os.path.exists(os.path.join(ocr_eval.ocr_task.REPO_ROOT, shifted)):
     c = ocr_tiny.get_config()
     c.ocr.base_checkpoint = shifted
     sets.append(('shifted base (dark text) samples', base_samples(c, 0)))

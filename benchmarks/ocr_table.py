@@ -37,7 +37,7 @@ iterations of 8 prompts x 8 rollouts with the same SDE sampler (methods differ i
 presets in configs/common.py cite the code each follows). The seed changes the RL randomness (prompts,
 rollout noise, steps); the base model and the evaluation (prompts, seeds) are the same for every cell.
 Each cell's training metrics go to its workdir's metrics.jsonl (and TensorBoard events), as the trainer's
-own loop writes them. Every --eval_every iterations a cell is checkpointed and evaluated by ddrl_jax.evaluate.evaluate_ocr:
+own loop writes them. Every --eval_every iterations a cell is checkpointed and evaluated by ddrl_jax.tasks.ocr_eval.evaluate_ocr:
 held-out OCR by the training reader (Tesseract) and by a second reader (RapidOCR / PP-OCR), style drift to
 the data and from the base's own samples, diversity, the texture and colour statistics, held-out diffusion
 loss. Rows are appended to <workdir>/evaluations.jsonl as they are made, so a killed or budgeted run
@@ -77,13 +77,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from configs import ocr_tiny
-from ddrl_jax import evaluate as evaluate_lib
 from ddrl_jax import flops as flops_lib
 from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax import xla_flags
 from ddrl_jax.models import lora
+from ddrl_jax.tasks import ocr_eval
 from ddrl_jax.tasks import ocr_judges
 from ddrl_jax.tasks import ocr_metrics
 
@@ -280,11 +280,11 @@ def passes_per_condition(config):
   """(rollout, training) network passes per condition and iteration (a backward counts as 2 passes):
   N times `ddrl_jax.flops.iteration_passes`, with classifier-free guidance doubling every call."""
   p = flops_lib.iteration_passes(config)
-  n, g = config.num_rollouts, evaluate_lib.guidance_factor(config)
+  n, g = config.num_rollouts, ocr_eval.guidance_factor(config)
   return int(round(n * p.rollout * g)), int(round(n * (p.total - p.rollout) * g))
 
 
-# The config sections ddrl_jax.evaluate.evaluate_ocr and the judges read (the sampler, the readers, the
+# The config sections ddrl_jax.tasks.ocr_eval.evaluate_ocr and the judges read (the sampler, the readers, the
 # model's task and layout); the RL sections (rl, optim, data, seed, ...) do not change an evaluation.
 EVALUATION_CONFIG = ('sampler', 'ocr', 'reward', 'mesh', 'sharding', 'model_family', 'task')
 
@@ -393,13 +393,13 @@ class Runner:
       row['evaluation_of'] = source.get(
           'evaluation_of', f"{source['method']}:{source['seed']}:{source['iteration']}")
       row.update({k: v for k, v in source.items() if k not in row})
-      images, _ = evaluate_lib.load_samples(target)      # what evaluate_ocr computed its statistics on
+      images, _ = ocr_eval.load_samples(target)      # what evaluate_ocr computed its statistics on
       stats = ocr_metrics.batch_stats(images)
       if self.reference is not None:
         row['style_drift_from_reference'] = ocr_metrics.style_drift(stats, self.reference)
-      grid = evaluate_lib.sample_grid(images, a.prompts, a.per_prompt)
+      grid = ocr_eval.sample_grid(images, a.prompts, a.per_prompt)
     else:
-      metrics, grid, stats = evaluate_lib.evaluate_ocr(
+      metrics, grid, stats = ocr_eval.evaluate_ocr(
           config, trainer.apply_fn, params, trainer.task, prompts=a.prompts,
           per_prompt=a.per_prompt, reference_stats=self.reference, return_stats=True,
           judges=judges, samples_path=self.samples_path(method, seed, iteration))
@@ -1035,7 +1035,7 @@ def rejudge(runner):
     missing = [n for n in judges if n not in row]
     path = runner.samples_path(row['method'], row['seed'], row['iteration'])
     if missing and os.path.exists(path):
-      images, _ = evaluate_lib.load_samples(path)
+      images, _ = ocr_eval.load_samples(path)
       row.update({n: float(judges[n](images)) for n in missing})
       changed += 1
   if changed:
@@ -1148,7 +1148,7 @@ def arms_samples(rows, samples_path, methods, iteration, columns=8):
       continue
     shown = min(kept, key=lambda r: (r['seed'], -r['iteration']))   # first seed, its last evaluation
     seed, last = shown['seed'], shown['iteration']
-    images, texts = evaluate_lib.load_samples(samples_path(method, seed, last))
+    images, texts = ocr_eval.load_samples(samples_path(method, seed, last))
     strips.append((f'{method} (seed {seed}, iteration {last})', images[spread_prompts(texts, columns)]))
   if missing:
     print(f'arms grid: no samples on disk for {", ".join(missing)}')

@@ -41,7 +41,7 @@ the real rewards, text encoder and records at that size).
 import ml_collections
 
 from configs import common
-from ddrl_jax.tasks import video as video_task
+from ddrl_jax.models.cosmos import family as cosmos_family
 
 PARALLEL = {
     # cosmos-rl: fsdp_shard_size x dp_replicate_size x context_parallel_size.
@@ -178,7 +178,7 @@ def get_config(model, arg=''):
       text_seed=2,
       eval_prompts='',               # prompt file: prompt, category, optional first frame (PAI-Bench)
       guidance_eval=GUIDANCE_EVAL[model],   # Cosmos CFG: v_c + w (v_c - v_neg); 0 = none
-      negative_prompt=video_task.NEGATIVE_PROMPT,
+      negative_prompt=cosmos_family.NEGATIVE_PROMPT,
       eval_rewards=REWARDS,          # what `python -m ddrl_jax.evaluate` reports (config.reward.kwargs)
   ))
 
@@ -224,10 +224,10 @@ def shrink_for_smoke(c, algorithm):
 
 
 def _wan_mean():
-  from ddrl_jax.models.wan import vae as wan_vae  # pylint: disable=g-import-not-at-top
-  return wan_vae.WAN21_LATENTS_MEAN
+  from ddrl_jax.models import video_vae  # pylint: disable=g-import-not-at-top
+  return video_vae.WAN21_LATENTS_MEAN
 
 
 def _wan_std():
-  from ddrl_jax.models.wan import vae as wan_vae  # pylint: disable=g-import-not-at-top
-  return wan_vae.WAN21_LATENTS_STD
+  from ddrl_jax.models import video_vae  # pylint: disable=g-import-not-at-top
+  return video_vae.WAN21_LATENTS_STD

@@ -185,8 +185,8 @@ def get_config(model, arg='flow_grpo'):
 
 
 def _wan_stats():
-  from ddrl_jax.models.wan import vae as wan_vae  # pylint: disable=g-import-not-at-top
-  return wan_vae.WAN21_LATENTS_MEAN, wan_vae.WAN21_LATENTS_STD
+  from ddrl_jax.models import video_vae  # pylint: disable=g-import-not-at-top
+  return video_vae.WAN21_LATENTS_MEAN, video_vae.WAN21_LATENTS_STD
 
 
 def _tiny_text_dim():

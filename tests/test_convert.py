@@ -26,8 +26,8 @@ tc = pytest.importorskip('diffusers.models.transformers.transformer_cosmos')
 from ddrl_jax.models import convert as cv  # noqa: E402
 from ddrl_jax.models.cosmos import convert as cosmos_convert  # noqa: E402
 from ddrl_jax.models.cosmos import dit as cosmos_dit  # noqa: E402
-from ddrl_jax.models.wan import vae as wan_vae  # noqa: E402
-from ddrl_jax.models.wan import vae_convert as wan_vae_convert  # noqa: E402
+from ddrl_jax.models import video_vae as wan_vae  # noqa: E402
+from ddrl_jax.models import video_vae_convert as wan_vae_convert  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COSMOS = cosmos_dit.tiny()

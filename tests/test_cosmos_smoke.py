@@ -170,8 +170,9 @@ def test_full_config_recipe(module, lr, devices, mesh, dit):
   task = video.CosmosVideo(c)        # lazy: builds no VAE, data or model
   assert task.sample_shape == (16, 24, 90, 160)
   assert task.video_shape == (3, 93, 720, 1280)
-  assert (task.dit.model_channels, task.dit.num_blocks, task.dit.num_heads) == dit
-  assert task.dit.dtype == jnp.bfloat16 and task.dit.param_dtype == jnp.float32
+  dit_cfg = task.family.dit
+  assert (dit_cfg.model_channels, dit_cfg.num_blocks, dit_cfg.num_heads) == dit
+  assert dit_cfg.dtype == jnp.bfloat16 and dit_cfg.param_dtype == jnp.float32
 
 
 @pytest.mark.parametrize('module,devices', [(cosmos2b, 256), (cosmos14b, 1024)])

@@ -6,10 +6,13 @@ import pytest
 from test_trainer import apply_overrides  # tests/test_trainer.py
 
 from configs import ocr_tiny
+from ddrl_jax import cli
 from ddrl_jax import evaluate as evaluate_lib
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.rewards import clip_rewards
+from ddrl_jax.rewards import judges as judges_lib
 from ddrl_jax.rewards import registry
+from ddrl_jax.tasks import ocr_eval
 
 
 class _Fixed:
@@ -73,8 +76,8 @@ def test_the_ocr_evaluation_reports_the_judges_on_the_held_out_samples(tmp_path)
             'pickscore': registry.make_reward('pickscore', checkpoint=files['checkpoint'])}
   c = _ocr_config()
   task, apply_fn, params = evaluate_lib.load_params(c, 'base')
-  metrics, _ = evaluate_lib.evaluate_ocr(c, apply_fn, params, task, prompts=2, per_prompt=2,
-                                         reward_judges=judges)
+  metrics, _ = ocr_eval.evaluate_ocr(c, apply_fn, params, task, prompts=2, per_prompt=2,
+                                     reward_judges=judges)
   assert set(metrics) >= {'judge/clipscore', 'judge/pickscore', 'judge/clipscore_failed'}
   assert -1.0 <= metrics['judge/clipscore'] <= 1.0
   assert abs(metrics['judge/pickscore']) <= 100 / 26
@@ -82,8 +85,8 @@ def test_the_ocr_evaluation_reports_the_judges_on_the_held_out_samples(tmp_path)
 
 def test_unknown_or_unprovided_judges_are_one_line():
   c = _ocr_config()
-  with pytest.raises(evaluate_lib.cli.UsageError, match="unknown judges \\['nope'\\]"):
-    evaluate_lib.image_judges(c, ['nope'])
-  with pytest.raises(evaluate_lib.cli.UsageError, match='the judges need inputs they were not given: '
+  with pytest.raises(cli.UsageError, match="unknown judges \\['nope'\\]"):
+    judges_lib.build(c, ['nope'])
+  with pytest.raises(cli.UsageError, match='the judges need inputs they were not given: '
                      'clipscore: config.reward.kwargs.clipscore.checkpoint is not set'):
-    evaluate_lib.image_judges(c, ['clipscore'])
+    judges_lib.build(c, ['clipscore'])

@@ -159,9 +159,10 @@ def test_shipped_base_is_legible_and_text_conditioned():
   """checkpoints/ocr_tiny_base (what the README's main job starts from) loads with the default config,
   reads as its text on held-out strings well above an unconditional model, and follows its text."""
   from ddrl_jax import evaluate as evaluate_lib  # pylint: disable=g-import-not-at-top
+  from ddrl_jax.tasks import ocr_eval  # pylint: disable=g-import-not-at-top
   c = ocr_tiny.get_config()
   task, apply_fn, params = evaluate_lib.load_params(c, 'base')
-  metrics, grid = evaluate_lib.evaluate_ocr(c, apply_fn, params, task, prompts=16, per_prompt=2)
+  metrics, grid = ocr_eval.evaluate_ocr(c, apply_fn, params, task, prompts=16, per_prompt=2)
   assert grid.shape[1:] == (32, 96, 3)
   assert metrics['finite_fraction'] == 1.0
   assert metrics['ocr_heldout'] > 0.15, metrics     # random glyphs score ~0.01 (RESULTS.md)
@@ -177,7 +178,7 @@ def test_shipped_base_is_legible_and_text_conditioned():
   from ddrl_jax.tasks import text_render  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(3)
   texts = [text_render.sample_text(rng, 'heldout') for _ in range(16)]
-  images, _ = evaluate_lib.sample_images(c, apply_fn, params, task, texts, seed=1)
+  images, _ = ocr_eval.sample_images(c, apply_fn, params, task, texts, seed=1)
   reward = ocr_reward.OCRReward()
   own = reward(images, [text_render.prompt_of(t) for t in texts]).mean()
   swapped = reward(images, [text_render.prompt_of(t) for t in texts[1:] + texts[:1]]).mean()

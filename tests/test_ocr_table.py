@@ -109,14 +109,14 @@ def _fake_evaluate(config, apply_fn, params, task, prompts, per_prompt, referenc
   metrics.update({n: judge(images) for n, judge in (judges or {}).items()})
   metrics['data_beta'] = config.rl.data_beta              # what the cell's config was
   if samples_path:
-    ocr_table.evaluate_lib.save_samples(samples_path, images, ['T'] * m)
+    ocr_table.ocr_eval.save_samples(samples_path, images, ['T'] * m)
   return metrics, images, np.zeros((m, 12))
 
 
 @pytest.fixture
 def fake_cells(monkeypatch):
   monkeypatch.setattr(ocr_table, 'trainer_lib', types.SimpleNamespace(Trainer=_FakeTrainer))
-  monkeypatch.setattr(ocr_table.evaluate_lib, 'evaluate_ocr', _fake_evaluate)
+  monkeypatch.setattr(ocr_table.ocr_eval, 'evaluate_ocr', _fake_evaluate)
   _FakeTrainer.calls = []
   return _FakeTrainer.calls
 
@@ -362,7 +362,7 @@ def test_a_run_with_overrides_a_shifted_base_and_judges_then_rejudges(tmp_path, 
   assert [r['fd_recognizer'] for r in rows] == [0.0, 0.0, 2.0]
   assert all(r['boot_id'] for r in rows)
   saved = work / 'ddrl__rl.data_beta=0.3' / 'seed0' / 'samples' / 'it0002.npz'
-  images, texts = ocr_table.evaluate_lib.load_samples(str(saved))
+  images, texts = ocr_table.ocr_eval.load_samples(str(saved))
   assert images.shape == (2, 4, 4, 3) and texts == ['T', 'T']
   assert (work / 'base' / 'samples' / 'it0000.npz').exists()
   assert (out / 'pareto.jsonl').exists() and (out / 'pareto_ddrl__rl.data_beta=0.3.png').exists()
@@ -399,7 +399,7 @@ def test_an_evaluation_of_the_same_model_is_copied_not_repeated(tmp_path, fake_c
   assert 'evaluation_of' not in rows[('ddrl', 1)]
   source, target = (work / 'base' / 'samples' / 'it0000.npz', work / 'ddrl' / 'seed0' / 'samples' / 'it0000.npz')
   assert target.read_bytes() == source.read_bytes()
-  images, _ = ocr_table.evaluate_lib.load_samples(str(target))
+  images, _ = ocr_table.ocr_eval.load_samples(str(target))
   reference = np.load(work / 'base_stats.npy')
   expected = ocr_table.ocr_metrics.style_drift(ocr_table.ocr_metrics.batch_stats(images), reference)
   assert copied['style_drift_from_reference'] == pytest.approx(expected)
@@ -518,8 +518,8 @@ def test_each_machine_instance_evaluates_the_base_once_and_rows_record_its_arith
   kind = ocr_table.numerics_of(bases[-1])
   assert [r['numerics'] for r in rows if r['seed'] == 2] == [kind, kind]
   assert all('numerics' in r for r in rows if r['method'] != 'base')
-  evaluate = ocr_table.evaluate_lib.evaluate_ocr                   # a third machine, other arithmetic
-  monkeypatch.setattr(ocr_table.evaluate_lib, 'evaluate_ocr', lambda *a, **k: (
+  evaluate = ocr_table.ocr_eval.evaluate_ocr                   # a third machine, other arithmetic
+  monkeypatch.setattr(ocr_table.ocr_eval, 'evaluate_ocr', lambda *a, **k: (
       lambda m, g, st: (dict(m, ocr_heldout=m['ocr_heldout'] + 1e-3), g, st))(*evaluate(*a, **k)))
   monkeypatch.setattr(ocr_table, 'boot_id', lambda: 'a third machine')
   del fake_cells[:]
@@ -697,7 +697,7 @@ def test_arms_samples_pick_the_first_seeds_last_evaluation_on_disk(tmp_path, cap
   for method, seed, iteration in saved:
     images = np.full((8, 2, 3, 3), 10 * seed + iteration, np.uint8)
     images[:, 0, 0, 0] = np.arange(8)                       # which sample it was
-    ocr_table.evaluate_lib.save_samples(path(method, seed, iteration), images, texts)
+    ocr_table.ocr_eval.save_samples(path(method, seed, iteration), images, texts)
   for seed, iteration in ((0, 2), (1, 0), (1, 2), (1, 4), (2, 2)):   # seed 0's samples are not on disk
     rows.append(_row('m', seed, iteration, 0.3))
   rows.append(_row('n', 0, 2, 0.3))

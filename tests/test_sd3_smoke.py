@@ -16,14 +16,14 @@ from ddrl_jax import parallel
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.data import prepare
 from ddrl_jax.data import records
+from ddrl_jax.models import autoencoder_kl
+from ddrl_jax.models import autoencoder_kl_convert
 from ddrl_jax.models import convert
 from ddrl_jax.models import family as family_lib
 from ddrl_jax.models import lora as lora_lib
 from ddrl_jax.models.sd3 import convert as sd3_convert
 from ddrl_jax.models.sd3 import family as sd3_family
 from ddrl_jax.models.sd3 import mmdit
-from ddrl_jax.models.sd3 import vae as sd3_vae
-from ddrl_jax.models.sd3 import vae_convert
 from ddrl_jax.tasks import prompt_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +86,7 @@ def _diffusers_folder(root):
   """A tiny random SD3 pipeline folder written by diffusers: transformer/ (mmdit.tiny) and vae/."""
   import diffusers  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
-  cfg, vcfg = mmdit.tiny(), sd3_vae.tiny()
+  cfg, vcfg = mmdit.tiny(), autoencoder_kl.tiny()
   torch.manual_seed(0)
   fields = ('sample_size', 'patch_size', 'in_channels', 'num_layers', 'attention_head_dim',
             'num_attention_heads', 'joint_attention_dim', 'caption_projection_dim', 'pooled_projection_dim',
@@ -118,7 +118,7 @@ def test_diffusers_folder_converts_and_loads_sharded(tmp_path):
   assert info['num_params'] == mmdit.num_params(mmdit.tiny())
   convert.convert(str(tmp_path / 'pipe'), 'sd3_vae_tiny', str(tmp_path / 'vae'))
   vae = nnx.to_pure_dict(convert.load_converted(str(tmp_path / 'vae')))
-  want_vae = vae_convert.from_diffusers_state_dict(vae_sd, sd3_vae.tiny())
+  want_vae = autoencoder_kl_convert.from_diffusers_state_dict(vae_sd, autoencoder_kl.tiny())
   jax.tree.map(np.testing.assert_array_equal, vae, want_vae)
 
   config = sd35m.get_config('flow_grpo_smoke')

@@ -1,5 +1,6 @@
-"""SD3VAE (Flax NNX) vs diffusers AutoencoderKL at a tiny SD3-style config (16 latent channels, no quant convs,
-mid-block attention), every parameter re-randomized, in float32."""
+"""The SD3.5 VAE, `models.autoencoder_kl.AutoencoderKL` (Flax NNX), vs diffusers AutoencoderKL at a tiny
+SD3-style config (16 latent channels, no quant convs, mid-block attention), every parameter re-randomized,
+in float32."""
 import json
 
 import numpy as np
@@ -12,11 +13,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddrl_jax.models.sd3 import vae as sd3_vae  # noqa: E402
-from ddrl_jax.models.sd3 import vae_convert  # noqa: E402
+from ddrl_jax.models import autoencoder_kl  # noqa: E402
+from ddrl_jax.models import autoencoder_kl_convert as vae_convert  # noqa: E402
 
 # 3 blocks (two down/up samplings, 4x), 2 ResNets per down block: widths 8 -> 16 (a conv_shortcut) -> 16
-CFG = sd3_vae.tiny(block_out_channels=(8, 16, 16), layers_per_block=2, norm_num_groups=4)
+CFG = autoencoder_kl.tiny(block_out_channels=(8, 16, 16), layers_per_block=2, norm_num_groups=4)
 SIZES = [(16, 16), pytest.param((24, 40), marks=pytest.mark.slow)]   # the second size: slow tier
 TOL = 1e-5
 
@@ -27,6 +28,8 @@ SD35_CONFIG = dict(
     latents_mean=None, latents_std=None, layers_per_block=2, mid_block_add_attention=True, norm_num_groups=32,
     out_channels=3, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609,
     up_block_types=['UpDecoderBlock2D'] * 4, use_post_quant_conv=False, use_quant_conv=False)
+# FLUX.1-dev's (and -schnell's) vae/config.json: the same but for its latent scaling.
+FLUX1_CONFIG = dict(SD35_CONFIG, scaling_factor=0.3611, shift_factor=0.1159)
 
 
 def _diffusers_kwargs(cfg):
@@ -54,7 +57,7 @@ def _randomize(module, seed):
 
 @pytest.fixture(scope='module')
 def pair():
-  """(diffusers model, converted SD3VAE, numpy state dict)."""
+  """(diffusers model, converted AutoencoderKL, numpy state dict)."""
   ref = diffusers.AutoencoderKL(**_diffusers_kwargs(CFG)).eval()
   _randomize(ref, 0)
   sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
@@ -122,9 +125,9 @@ def test_sample_is_mean_plus_std_noise(pair):
 
 def test_latent_normalization_matches_diffusers_convention():
   """SD3 pipelines: (mean - shift_factor) * scaling_factor in, latents / scaling_factor + shift_factor out."""
-  cfg = sd3_vae.sd35()
+  cfg = autoencoder_kl.sd35()
   assert (cfg.scaling_factor, cfg.shift_factor) == (1.5305, 0.0609)
-  model = sd3_vae.abstract_model(cfg)
+  model = autoencoder_kl.abstract_model(cfg)
   mu = np.random.RandomState(1).randn(2, 16, 3, 5).astype(np.float32)
   z = model.normalize_latents(jnp.asarray(mu))
   want = (torch.from_numpy(mu) - SD35_CONFIG['shift_factor']) * SD35_CONFIG['scaling_factor']
@@ -137,17 +140,24 @@ def test_latent_normalization_matches_diffusers_convention():
 def test_sd35_parameter_count_equals_diffusers():
   """The released config, built by diffusers on the meta device: 83,819,683 parameters."""
   cfg = vae_convert.config_from_diffusers(SD35_CONFIG)
-  assert cfg == sd3_vae.sd35()
+  assert cfg == autoencoder_kl.sd35()
   with torch.device('meta'):
     ref = diffusers.AutoencoderKL.from_config(SD35_CONFIG)
   want = sum(p.numel() for p in ref.parameters())
-  assert sd3_vae.num_params(cfg) == want == 83_819_683
+  assert autoencoder_kl.num_params(cfg) == want == 83_819_683
   _, expected = vae_convert.abstract_params(cfg)
   assert len(expected) == len(ref.state_dict())    # one NNX leaf per diffusers tensor
 
 
+def test_flux1_preset_is_the_flux_vae_config():
+  """The shared class's FLUX.1 preset is what its converter reads from FLUX.1's vae/config.json."""
+  cfg = autoencoder_kl.flux1()
+  assert vae_convert.config_from_diffusers(FLUX1_CONFIG) == cfg
+  assert (cfg.latent_channels, cfg.scaling_factor, cfg.shift_factor) == (16, 0.3611, 0.1159)
+
+
 def test_parameters_carry_logical_names():
-  state = nnx.state(sd3_vae.abstract_model(CFG), nnx.Param)
+  state = nnx.state(autoencoder_kl.abstract_model(CFG), nnx.Param)
   for path, v in nnx.to_flat_state(state):
     names = nnx.spmd.get_var_pspec(v)
     assert names is not None and len(names) == v.get_value().ndim, path
@@ -200,7 +210,7 @@ def test_load_diffusers_folder(pair, tmp_path):
 @pytest.mark.slow
 def test_other_autoencoderkl_switches_match_diffusers():
   """quant_conv / post_quant_conv on and the mid-block attention off (SD1.x/SDXL/FLUX-style switches)."""
-  cfg = sd3_vae.tiny(block_out_channels=(8, 16), latent_channels=4, use_quant_conv=True,
+  cfg = autoencoder_kl.tiny(block_out_channels=(8, 16), latent_channels=4, use_quant_conv=True,
                      use_post_quant_conv=True, mid_block_add_attention=False)
   ref = diffusers.AutoencoderKL(**_diffusers_kwargs(cfg)).eval()
   _randomize(ref, 1)

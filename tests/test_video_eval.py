@@ -16,6 +16,7 @@ from configs import cosmos2b
 from ddrl_jax import preflight
 from ddrl_jax import trainer as trainer_lib
 from ddrl_jax.data import prompt_file
+from ddrl_jax.models.cosmos import family as cosmos_family
 from ddrl_jax.tasks import video
 from ddrl_jax.tasks import video_eval
 
@@ -129,7 +130,7 @@ def test_eval_conditions_from_a_prompt_file_with_guidance(tmp_path):
   assert task.prompts(cond) == ['a cup', 'a road', 'a cup']
   assert np.abs(np.asarray(cond['first_frame'][1])).max() == 0 < np.abs(np.asarray(cond['first_frame'][0])).max()
   assert np.asarray(cond['guidance']).tolist() == [7.0] * 3
-  np.testing.assert_allclose(cond['null_text'][0], task.encode_prompts([video.NEGATIVE_PROMPT])[0])
+  np.testing.assert_allclose(cond['null_text'][0], task.encode_prompts([cosmos_family.NEGATIVE_PROMPT])[0])
   config.cosmos.guidance_eval = 0.0
   assert 'guidance' not in video.CosmosVideo(config).eval_conditions(jax.random.key(0), 2)
 

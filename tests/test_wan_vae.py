@@ -8,8 +8,8 @@ diffusers = pytest.importorskip('diffusers')
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddrl_jax.models.wan import vae as wan_vae  # noqa: E402
-from ddrl_jax.models.wan.vae_convert import convert_diffusers_vae_state_dict, merge_params  # noqa: E402
+from ddrl_jax.models import video_vae as wan_vae  # noqa: E402
+from ddrl_jax.models.video_vae_convert import convert_diffusers_vae_state_dict, merge_params  # noqa: E402
 
 CFG = wan_vae.tiny()  # base_dim 8, dim_mult (1,2,2,2), 1 res block, z_dim 4: 8x8 spatial, 4x temporal
 H, W = 16, 24

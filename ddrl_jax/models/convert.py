@@ -15,7 +15,7 @@ Sources:
 The model names and their converters come from the families (`models.family.converters()`); each
 family's converter detects its naming from the keys (e.g. the original Cosmos-Predict2.5 `net.` prefix
 against diffusers names, models/cosmos/convert.py; the original Wan2.1 VAE names against diffusers'
-`AutoencoderKLWan`, models/wan/vae_convert.py `wan_original_to_diffusers`).
+`AutoencoderKLWan`, models/video_vae_convert.py `wan_original_to_diffusers`).
 
 Output, in DIR:
 - `params/`: an orbax `StandardCheckpointer` checkpoint of the pure nested dict of the model's nnx.Param
@@ -222,7 +222,7 @@ def load_converted(out_dir, model=None, dtype=None):
   """Restores DIR/params as an nnx.State of the model's Params (host numpy values).
 
   `model`/`dtype` default to those in DIR/conversion.json; a given `model` must agree with it.
-  Use with `cosmos_convert.merge_params(config, state)` / `wan_vae_convert.merge_params(config, state)`.
+  Use with `cosmos_convert.merge_params(config, state)` / `video_vae_convert.merge_params(config, state)`.
   """
   import orbax.checkpoint as ocp
   from flax import nnx

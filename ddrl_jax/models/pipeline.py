@@ -3,7 +3,7 @@ prompt encoded once per run), its condition schema (which embedding fields, and 
 guidance enters) and its VAE (media <-> latents), so that one prompt task (`ddrl_jax.tasks.prompt_task`)
 serves every text-to-image and text-to-video family.
 
-`LatentPipeline` is the mixin a family composes (SD3's and Wan's do); the family supplies:
+`LatentPipeline` is the mixin a family composes (SD3's, Wan's and Cosmos' do); the family supplies:
 
   TEXT_FIELDS        {condition name: record name}, e.g. {'text': 'text_embedding', 'pooled': ...}
   DECODE_PERM        the axes that turn the VAE's decoded (M, 3, ...) pixels into (M, ..., 3) media
@@ -15,9 +15,13 @@ serves every text-to-image and text-to-video family.
                      weights; `vae_checkpoint` (a converted checkpoint folder, '' = random) and
                      `vae_checkpoint_key` (the config key, for messages) load its weights
   media_to_pixels(u8) (B, *media_shape) uint8 -> the VAE's (B, 3, ...) float32 input in [-1, 1]
+  cache_text         whether `encode_prompts` keeps each prompt's embedding for the run (True); a family
+                     whose embeddings are too large to keep sets False (Cosmos' Reason1: 196 MiB a prompt)
+                     and every call encodes its prompts
   guidance_mode      'cfg': guidance runs the 2B forward with the empty prompt's 'null_<field>' twins;
-                     'none': the family takes no guidance (FLUX-style guidance embeddings would be a
-                     third mode: the scale as a model input, no null branch)
+                     'none': the pipeline adds no guidance fields (the family takes no guidance, or its
+                     own: Cosmos' negative-prompt guidance, which its task adds; FLUX-style guidance
+                     embeddings would be a third mode: the scale as a model input, no null branch)
   cfg_on             whether any phase samples with guidance != 1 (then conditions carry 'guidance')
   shape_key          the config key that sets the sample shape (for messages)
   required_inputs()  the weights a full run needs (a default from section, weights_source,
@@ -100,6 +104,7 @@ class LatentPipeline:
   TEXT_FIELDS = {'text': 'text_embedding'}
   DECODE_PERM = ()
   guidance_mode = 'cfg'
+  cache_text = True
   vae_checkpoint = ''
   vae_checkpoint_key = ''
   vae_batch = 1
@@ -135,14 +140,23 @@ class LatentPipeline:
       self._vae_fns = None
     return self
 
-  def encode_prompts(self, prompts):
-    """list[str] -> {record name: (B, ...)} float32 embeddings, each prompt encoded once per run."""
+  def text_encoder(self):
+    """The family's text encoder (`make_text_encoder()`, made on first use and kept)."""
     self._pipeline_state()
+    if self._text_encoder is None:
+      self._text_encoder = self.make_text_encoder()
+    return self._text_encoder
+
+  def encode_prompts(self, prompts):
+    """list[str] -> {record name: (B, ...)} float32 embeddings, each prompt encoded once per run (every
+    call encodes all of `prompts`, in one `encode_text` call, when the family sets `cache_text` False)."""
+    self._pipeline_state()
+    if not self.cache_text:
+      out = self.encode_text(self.text_encoder(), list(prompts))
+      return {field: np.asarray(out[field], np.float32) for field in self.TEXT_FIELDS.values()}
     todo = [p for p in dict.fromkeys(prompts) if p not in self._text_cache]
     if todo:
-      if self._text_encoder is None:
-        self._text_encoder = self.make_text_encoder()
-      out = self.encode_text(self._text_encoder, todo)
+      out = self.encode_text(self.text_encoder(), todo)
       for i, p in enumerate(todo):
         self._text_cache[p] = {k: np.asarray(v[i], np.float32) for k, v in out.items()}
     return {field: np.stack([self._text_cache[p][field] for p in prompts])

@@ -5,8 +5,11 @@ model family (`ddrl_jax.models.family`) so a task itself is data, conditions, re
 Optional abilities are declared in `capabilities`, not probed: 'records' (synthesize writes records of
 generated samples: prompt_set, conditions_from_prompts, record_of), 'media' (prepare encodes captioned
 images or videos: media_shape, encode_samples, encode_prompts), 'pretrain' (pretrain_batch), 'aot'
-(abstract_conditions). Calling a method of an undeclared ability raises `Unsupported` naming the task.
+(abstract_conditions), 'checkpoint_evaluation' (evaluate_checkpoints: the task's own evaluation of saved
+checkpoints for `python -m ddrl_jax.evaluate`; without it that command runs the trainer's evaluation).
+Calling a method of an undeclared ability raises `Unsupported` naming the task.
 """
+import dataclasses
 from typing import Any, Callable, Optional, Protocol
 
 import flax.nnx as nnx
@@ -17,6 +20,35 @@ from ddrl_jax.models import lora as lora_lib
 
 class Unsupported(ValueError):
   """The task cannot do what was asked (e.g. encode media); the message names it and what can."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRequest:
+  """What `python -m ddrl_jax.evaluate` asks of a task's own checkpoint evaluation (its flags).
+
+  checkpoints: 'base', trainer workdirs or params-only exports, each evaluated in turn;
+  load: (checkpoint, ema) -> (task, apply_fn, params), the command's loader (a workdir's latest
+    checkpoint with its frozen base combined, or an export);
+  out: where rows go (a JSONL file for images, a folder for video; '' lets the task choose);
+  judges: registered reward names to score the samples with (() lets the task choose);
+  prompts, per_prompt: held-out prompts and samples per prompt (image tasks);
+  prompt_file, max_prompts, baseline, videos_per_category, seed, batch: the prompt-file evaluation
+    (video tasks: its file, a cut of it, a second model on the same seeds, MP4s per category, the noise
+    seed, prompts per sampling call with 0 the data-parallel size).
+  """
+  checkpoints: tuple
+  load: Callable
+  out: str = ''
+  ema: bool = False
+  judges: tuple = ()
+  prompts: int = 64
+  per_prompt: int = 4
+  prompt_file: str = ''
+  max_prompts: int = 0
+  baseline: str = ''
+  videos_per_category: int = 2
+  seed: int = 0
+  batch: int = 0
 
 
 class Task(Protocol):
@@ -77,6 +109,9 @@ class Task(Protocol):
   def required_inputs(self) -> list:
     """The run's inputs (`preflight.Input`: config key, what it is, how to make it) that a full run
     must be given; `preflight.check` refuses to start, in one line, while any is missing."""
+
+  def evaluate_checkpoints(self, request: CheckpointRequest) -> list:
+    """JSON rows of the task's own evaluation of request.checkpoints ('checkpoint_evaluation')."""
 
   def batch_metrics(self, cond) -> dict:
     """{metric: float} describing one iteration's conditions (B, ...), logged with the step's metrics
@@ -170,6 +205,10 @@ class FamilyTask:
   def batch_metrics(self, cond):
     del cond
     return {}
+
+  def evaluate_checkpoints(self, request):
+    del request
+    self._unsupported('evaluate checkpoints on its own', 'evaluate_checkpoints')
 
   def require(self, ability):
     """Raises Unsupported unless `ability` is in `capabilities` (call before starting long work)."""

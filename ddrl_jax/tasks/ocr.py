@@ -64,7 +64,7 @@ class OCRTask(base.FamilyTask):
   (models/cosmos/family.py), its base the checkpoint config.ocr.base_checkpoint."""
 
   DEFAULT_FAMILY = 'cosmos_t2i'
-  capabilities = frozenset({'records', 'pretrain'})
+  capabilities = frozenset({'records', 'pretrain', 'checkpoint_evaluation'})
   sample_shape = (3, text_render.HEIGHT, text_render.WIDTH)
 
   def __init__(self, config):
@@ -115,6 +115,11 @@ class OCRTask(base.FamilyTask):
     """(M, 3, H, W) samples -> ((M, H, W, 3) uint8 images, finite (M,))."""
     del cond
     return to_uint8(samples)
+
+  def evaluate_checkpoints(self, request):
+    """FlowGRPO's OCR test prompts, the style statistics and the judges of each checkpoint (ocr_eval.py)."""
+    from ddrl_jax.tasks import ocr_eval  # pylint: disable=g-import-not-at-top  (it imports the trainer)
+    return ocr_eval.evaluate_checkpoints(self.config, request)
 
   def evaluate(self, samples, key, cond=None):
     """OCR accuracy of (M, 3, H, W) samples of `cond` (the trainer passes the eval conditions), read by

@@ -1,7 +1,10 @@
 """Text-to-video and image-to-video DDRL with the Cosmos-Predict2.5 DiT as the policy.
 
 The policy is `models.cosmos.dit.CosmosDiT` (the 'cosmos' family) on normalized Wan2.1 latents
-(16, T, H, W). The trainer's generic sampler calls ``apply_fn(params, x_t, t, cond)`` with the flow state
+(16, T, H, W). The family (models/cosmos/family.py, a `models.pipeline.LatentPipeline`) owns the network,
+the Wan2.1 VAE (`family.encode_samples`, `decode`, `vae()`) and the text encoders (`family.encode_prompts`,
+`negative_text`, `device_text_encoder`); this task holds the data, the conditions, the rewards and the
+evaluation. The trainer's generic sampler calls ``apply_fn(params, x_t, t, cond)`` with the flow state
 x_t = (1 - t) x0 + t eps and expects the velocity eps - x0; the family's adapter
 (`models.cosmos.family.make_video_apply_fn`) wraps the DiT into that interface with cosmos' frame-replace
 image-to-video conditioning (cosmos_predict25_architecture.md section 1.4), derived below.
@@ -36,7 +39,8 @@ Data (config.cosmos.data):
     paper's 1:1 mix); `batch_metrics` reports how many groups of each kind a batch held.
   'synthetic' (`:smoke` only): a fixed set of videos of a coloured square moving over a dark background,
     each rendered with numpy from the item's seed; the motion and colour are those the paired prompt names.
-    They are encoded once with the Wan VAE and normalized, so the data term really trains on VAE latents.
+    They are encoded once with the family's Wan VAE and normalized, so the data term really trains on VAE
+    latents.
 
 Evaluation conditions: config.cosmos.eval_prompts, a prompt file with categories and optional first
 frames (`data.prompt_file`, PAI-Bench's shape): its first eval_samples entries (cycled), I2V where an
@@ -49,14 +53,12 @@ DDRL rollouts run at guidance 0). The trainer scores the evaluation videos with 
 through its reward service (`eval_scores_with_rewards`); `python -m ddrl_jax.evaluate` reports every
 reward column and every VBench dimension per category (tasks/video_eval.py).
 
-Text (config.cosmos.text):
-  'reason1': Cosmos-Predict2.5's own conditioning, the Cosmos-Reason1-7B language model run in JAX
-    (`models.reason1_text`) from config.cosmos.text_encoder (a diffusers Cosmos-Predict2.5 folder with
-    text_encoder/ and tokenizer/, or the text_encoder folder): 512 chat tokens, 28 normalised hidden
-    states concatenated to (512, 100352). Prompts are encoded when a batch needs them (records prepared
-    with `--text=task` carry them instead); the embeddings are not cached.
-  'bytes': the prompt's UTF-8 bytes through a frozen, fixed-seed `models.text.ByteEmbedding` of width C
-    (not trained; a stand-in for `:smoke` runs without an encoder).
+Text (config.cosmos.text, encoded by the family): 'reason1', Cosmos-Predict2.5's own conditioning, the
+Cosmos-Reason1-7B language model run in JAX from config.cosmos.text_encoder (a diffusers Cosmos-Predict2.5
+folder with text_encoder/ and tokenizer/, or the text_encoder folder): 512 chat tokens, 28 normalised hidden
+states concatenated to (512, 100352); or 'bytes', a frozen byte embedding (a stand-in for `:smoke` runs
+without an encoder). Prompts are encoded when a batch needs them (records prepared with `--text=task` carry
+them instead); the embeddings are not cached, except the built-in prompts' and the negative prompt's.
 
 Rewards: `reward_inputs` denormalizes and decodes the latents with the VAE (jitted) into uint8 videos
 (M, F, H, W, 3) and hands them, with each group's prompt, to the reward service (config.reward: the
@@ -66,17 +68,10 @@ counts them as failed, advantage 0). There is no trainer hook to write decoded f
 yet, so this task writes none.
 """
 
-import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddrl_jax import parallel
-from ddrl_jax.models import family as family_lib
-from ddrl_jax.models import pipeline as pipeline_lib
-from ddrl_jax.models import text as text_lib
-from ddrl_jax.models.wan import vae as wan_vae
-from ddrl_jax.parallel import hosts
 from ddrl_jax.rewards import basic as basic_rewards
 from ddrl_jax.tasks import base
 
@@ -92,24 +87,7 @@ PROMPTS = (
     ('an orange square moving right slowly', (1.0, 0.55, 0.1), (0, 0.5)),
 )
 
-TEXT_KINDS = ('reason1', 'bytes')
 DATA_KINDS = ('records', 'synthetic')
-# diffusers' Cosmos2_5_PredictBasePipeline DEFAULT_NEGATIVE_PROMPT (its classifier-free guidance's null).
-NEGATIVE_PROMPT = (
-    'The video captures a series of frames showing ugly scenes, static with no motion, motion blur, '
-    'over-saturation, shaky footage, low resolution, grainy texture, pixelated images, poorly lit areas, '
-    'underexposed and overexposed scenes, poor color balance, washed out colors, choppy sequences, '
-    'jerky movements, low frame rate, artifacting, color banding, unnatural transitions, outdated special '
-    'effects, fake elements, unconvincing visuals, poorly edited content, jump cuts, visual noise, and '
-    'flickering. Overall, the video is of poor quality.')
-
-
-def vae_config(c):
-  """The Wan VAE config of config.cosmos.vae with config.cosmos.vae_overrides."""
-  return family_lib.vae_preset_config({'wan21': wan_vae.wan21, 'tiny': wan_vae.tiny}, c, 'config.cosmos')
-
-
-restore_converted = pipeline_lib.restore_converted
 
 
 def render_square_video(item, frames, height, width):
@@ -135,59 +113,41 @@ def render_square_video(item, frames, height, width):
 
 class CosmosVideo(base.FamilyTask):
   """T2V / I2V video task for the trainer (see the module docstring). The model is the 'cosmos' family
-  (models/cosmos/family.py: the DiT and its frame-replacement velocity adapter)."""
+  (models/cosmos/family.py: the DiT, its frame-replacement velocity adapter, its VAE and text encoders)."""
 
   DEFAULT_FAMILY = 'cosmos'
-  capabilities = frozenset({'records', 'media', 'aot', 'device_text_encoder'})
+  capabilities = frozenset({'records', 'media', 'aot', 'device_text_encoder', 'checkpoint_evaluation'})
   eval_scores_with_rewards = True     # the trainer passes `evaluate` a scorer of the run's rewards
 
   def __init__(self, config):
     super().__init__(config)
     c = self.c = config.cosmos
-    self.dit = self.family.dit
-    self.vae_cfg = vae_config(c)
-    lt, lh, lw = c.latent_shape
-    self.sample_shape = (self.dit.in_channels, lt, lh, lw)
-    tf, sf = self.vae_cfg.temporal_factor, self.vae_cfg.spatial_factor
-    self.video_shape = (3, 1 + tf * (lt - 1), sf * lh, sf * lw)
-    if self.vae_cfg.z_dim != self.dit.in_channels:
-      raise ValueError(f'config.cosmos: VAE z_dim {self.vae_cfg.z_dim} != DiT in_channels '
-                       f'{self.dit.in_channels}')
-    self.text_dim = self.dit.crossattn_in or self.dit.context_dim
-    if c.text not in TEXT_KINDS:
-      raise ValueError(f'config.cosmos.text={c.text!r}; known: {TEXT_KINDS}')
+    self.sample_shape = tuple(self.family.sample_shape)          # (16, T, H, W)
+    frames, height, width, _ = self.family.media_shape
+    self.video_shape = (3, frames, height, width)
+    self.text_dim = self.family.text_shapes()['text'][1]
     if c.get('data', 'synthetic') not in DATA_KINDS:
       raise ValueError(f'config.cosmos.data={c.data!r}; known: {DATA_KINDS}')
     self._eval_table = None
-    self._null_text = None
-    self._encode_frame = None
-    self._vae = None
     self._latents = None
     self._text = None
-    self._byte_embed_fn = None
-    self._reason1 = None
-    self.num_truncated_prompts = 0   # prompts longer than text_length chat tokens (cut, logged)
     self.cond_log = []           # host copies of num_cond per conditions() call (T2V/I2V bookkeeping)
     self.i2v_frame0_err = []     # max |x0[frame 0] - gt| over I2V rollouts, per reward() call
 
-  # ------------------------------------------------------------------------- VAE and dataset
-  def _vae_fns(self):
-    if self._vae is None:
-      vae = wan_vae.WanVAE(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
-      if self.c.vae_checkpoint:
-        restore_converted(vae, self.c.vae_checkpoint, 'config.cosmos.vae_checkpoint')
-      # Decoding runs on this host's rollouts, split over all of its devices; videos stay (M, 3, F, H, W).
-      state, encode, decode_u8, self._vae_local_state = pipeline_lib.vae_functions(vae, (0, 1, 2, 3, 4))
-      self._vae = (state, encode, decode_u8)
-    return self._vae
+  @property
+  def num_truncated_prompts(self):
+    """Prompts longer than config.cosmos.text_length chat tokens so far (cut and logged by the family's
+    Reason1 encoder)."""
+    return self.family.num_truncated_prompts
 
+  # ----------------------------------------------------------------------------------- dataset
   def dataset_latents(self):
     """(num_videos, 16, T, H, W) float32 normalized latents of the synthetic videos (host, cached)."""
     if self._latents is None:
       if self.c.data != 'synthetic':
         raise ValueError(f"config.cosmos.data={self.c.data!r}: a records run's data come from "
                          'config.data.path (the trainer reads them; there is no built-in dataset)')
-      state, encode, _ = self._vae_fns()
+      state, encode, _, _ = self.family.vae()
       _, f, h, w = self.video_shape
       out = []
       for start in range(0, self.c.num_videos, self.c.vae_batch):
@@ -258,18 +218,17 @@ class CosmosVideo(base.FamilyTask):
     'null_text' (B, L, C), the embedding of config.cosmos.negative_prompt."""
     if not guidance:
       return cond
-    if self._null_text is None:
-      self._null_text = self.encode_prompts([self.c.get('negative_prompt', NEGATIVE_PROMPT)])[0]
+    null = self.family.negative_text()
     b = cond['text'].shape[0]
     return dict(cond, guidance=jnp.full((b,), guidance, jnp.float32),
-                null_text=jnp.broadcast_to(jnp.asarray(self._null_text), (b,) + self._null_text.shape))
+                null_text=jnp.broadcast_to(jnp.asarray(null), (b,) + null.shape))
 
   def encode_first_frames(self, paths):
     """(B, 16, 1, h, w) float32 normalized latents of the first frames of image (or video) files, each
     centre-cropped and resized to the task's (H, W): the causal Wan VAE encodes frame 0 alone, so this
     is latent frame 0 of any video that starts with it. Errors name the file (data.media.MediaError)."""
     from ddrl_jax.data import media  # pylint: disable=g-import-not-at-top
-    state, encode, _ = self._vae_fns()
+    state, encode, _, _ = self.family.vae()
     _, _, h, w = self.video_shape
     out = []
     for path in paths:
@@ -282,7 +241,7 @@ class CosmosVideo(base.FamilyTask):
     """ShapeDtypeStructs of `conditions(key, batch)` (for ahead-of-time compiles; nothing is encoded)."""
     c, _, h, w = self.sample_shape
     f32, i32 = jnp.float32, jnp.int32
-    return dict(text=jax.ShapeDtypeStruct((batch, self.c.text_length, self.text_dim), f32),
+    return dict(self.family.abstract_text_conditions(batch),
                 first_frame=jax.ShapeDtypeStruct((batch, c, 1, h, w), f32),
                 num_cond=jax.ShapeDtypeStruct((batch,), i32), index=jax.ShapeDtypeStruct((batch,), i32))
 
@@ -292,12 +251,9 @@ class CosmosVideo(base.FamilyTask):
     return jnp.asarray(self.dataset_latents()[np.asarray(cond['index'])])
 
   def decode(self, latents):
-    """(M, 16, T, H, W) latents -> (uint8 videos (M, F, H, W, 3), finite (M,) bool), decoded in chunks
-    of config.cosmos.vae_batch per local device, data parallel over this host's devices."""
-    _, _, decode_u8 = self._vae_fns()
-    u8, finite = hosts.in_chunks(decode_u8, self._vae_local_state, np.asarray(latents, np.float32),
-                                 self.c.vae_batch)
-    return u8.transpose(0, 2, 3, 4, 1), finite
+    """(M, 16, T, H, W) latents -> (uint8 videos (M, F, H, W, 3), finite (M,) bool): the family's VAE, in
+    chunks of config.cosmos.vae_batch per local device, data parallel over this host's devices."""
+    return self.family.decode(latents)
 
   def prompts(self, cond):
     """The prompt text of each condition: index >= 0 into the built-in prompts, index -(row + 1) into
@@ -342,20 +298,12 @@ class CosmosVideo(base.FamilyTask):
     return cond, jnp.asarray(x0)
 
   def required_inputs(self):
-    """What a full run of this task needs (checked by `ddrl_jax.preflight` when config.require_inputs):
-    converted DiT and VAE weights, the Reason1 text encoder, the records and the evaluation prompts."""
+    """What a full run of this task needs (checked by `ddrl_jax.preflight` when config.require_inputs): the
+    family's weights (converted DiT and VAE, the Reason1 text encoder), the records and the evaluation
+    prompts."""
     from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
-    c, model = self.c, self.c.model
-    folder = '<diffusers Cosmos-Predict2.5 folder>'
-    out = [preflight.Input('cosmos.checkpoint', c.checkpoint, f'the converted {model} DiT',
-                           f'python -m ddrl_jax.models.convert --model={model} --source={folder}/transformer '
-                           '--out=<dir>'),
-           preflight.Input('cosmos.vae_checkpoint', c.vae_checkpoint, 'the converted Wan2.1 VAE',
-                           f'python -m ddrl_jax.models.convert --model=wan21_vae --source={folder}/vae '
-                           '--out=<dir>')]
-    if c.text == 'reason1':
-      out.append(preflight.Input('cosmos.text_encoder', c.get('text_encoder', ''),
-                                 'the Cosmos-Reason1 text encoder', f'{folder} (text_encoder/ + tokenizer/)'))
+    c = self.c
+    out = list(self.family.required_inputs())
     if c.data == 'records':
       out.append(preflight.Input('data.path', self.config.data.path, 'captioned videos as record shards',
                                  'python -m ddrl_jax.data.prepare --config=<this config> --text=none '
@@ -369,6 +317,11 @@ class CosmosVideo(base.FamilyTask):
     """Groups of this process's batch by kind: cond_i2v (first frame given) and cond_t2v."""
     num_cond = np.asarray(cond['num_cond'])
     return dict(cond_i2v=float((num_cond > 0).sum()), cond_t2v=float((num_cond == 0).sum()))
+
+  def evaluate_checkpoints(self, request):
+    """The paper's PAI-Bench-style evaluation on a prompt file with categories (video_eval.py)."""
+    from ddrl_jax.tasks import video_eval  # pylint: disable=g-import-not-at-top  (it imports this module)
+    return video_eval.evaluate_checkpoints(self, request)
 
   def evaluate(self, samples, key, cond=None, score=None):
     """Metrics of (M, 16, T, H, W) evaluation samples of conditions `cond`.
@@ -405,37 +358,13 @@ class CosmosVideo(base.FamilyTask):
   @property
   def media_shape(self):
     """(F, H, W, 3): the uint8 video the VAE encodes into one (16, T, H', W') latent."""
-    _, frames, height, width = self.video_shape
-    return (frames, height, width, 3)
+    return tuple(self.family.media_shape)
 
   def encode_samples(self, media_u8):
-    """(B, F, H, W, 3) uint8 videos -> (B, *sample_shape) float32 normalized VAE latents (host).
-
-    Pixels map to [-1, 1], channels first (B, 3, F, H, W), then the jitted VAE encode in chunks of
-    config.cosmos.vae_batch; the last chunk is zero-padded to that size, so every call runs the one
-    compiled shape and a video's latent does not depend on how the videos were batched.
-    """
-    media_u8 = np.asarray(media_u8)
-    if media_u8.dtype != np.uint8 or media_u8.shape[1:] != self.media_shape:
-      raise ValueError(f'encode_samples: expected (B, *{self.media_shape}) uint8, got '
-                       f'{media_u8.shape} {media_u8.dtype}')
-    state, encode, _ = self._vae_fns()
-    step = self.c.vae_batch
-    out = []
-    for s in range(0, media_u8.shape[0], step):
-      chunk = media_u8[s:s + step]
-      video = np.zeros((step, 3) + self.video_shape[1:], np.float32)
-      video[:len(chunk)] = np.transpose(chunk.astype(np.float32) / 127.5 - 1.0, (0, 4, 1, 2, 3))
-      out.append(np.asarray(encode(state, jnp.asarray(video)), np.float32)[:len(chunk)])
-    return np.concatenate(out) if out else np.zeros((0,) + self.sample_shape, np.float32)
-
-  def _byte_embed(self, prompts):
-    """list[str] -> (B, text_length, text_dim) float32: the frozen byte embedding of prompt_embeddings."""
-    if self._byte_embed_fn is None:
-      emb = text_lib.ByteEmbedding(self.text_dim, self.c.text_length, rngs=nnx.Rngs(self.c.text_seed))
-      self._byte_embed_fn = jax.jit(lambda i: emb(i))  # pylint: disable=unnecessary-lambda
-    ids, _ = text_lib.encode_bytes(list(prompts), self.c.text_length)
-    return np.asarray(self._byte_embed_fn(jnp.asarray(ids)), np.float32)
+    """(B, F, H, W, 3) uint8 videos -> (B, *sample_shape) float32 normalized VAE latents (host): the
+    family's VAE in chunks of config.cosmos.vae_batch, the last zero-padded (one compiled shape, and a
+    video's latent does not depend on how the videos were batched)."""
+    return self.family.encode_samples(media_u8)
 
   def prompt_set(self):
     """The built-in prompts (ddrl_jax.data.synthesize's default prompt set)."""
@@ -459,46 +388,14 @@ class CosmosVideo(base.FamilyTask):
     return rec
 
   def encode_prompts(self, prompts):
-    """list[str] -> (B, L, C) float32 text embeddings as the DiT's cond['text'] (host).
-
-    Reason1 embeddings are not cached: one is 196 MiB in float32 at the paper's size, and one encoder
-    forward costs about 1/300 of one DiT forward at 720p (README, `ddrl_jax.models.reason1_text`)."""
-    prompts = list(prompts)
-    if self.c.text == 'reason1':
-      return self._reason1_embed(prompts)
-    return self._byte_embed(prompts)
-
-  def _reason1_encoder(self):
-    """The Cosmos-Reason1 text encoder of config.cosmos.text_encoder, checked against the DiT's width."""
-    if self._reason1 is None:
-      from ddrl_jax.models import reason1_text  # pylint: disable=g-import-not-at-top
-      if not self.c.get('text_encoder'):
-        raise ValueError("config.cosmos.text='reason1' needs config.cosmos.text_encoder: a diffusers "
-                         'Cosmos-Predict2.5 folder (text_encoder/ + tokenizer/, e.g. of '
-                         'nvidia/Cosmos-Predict2.5-2B) or its text_encoder folder')
-      # Inference only (no fp32 masters), FSDP over this process's devices: each process encodes its own
-      # groups' prompts, so the encoder runs without cross-host collectives (ShardingPlan.for_host).
-      enc = reason1_text.Reason1TextEncoder.from_pretrained(
-          self.c.text_encoder, max_length=self.c.text_length, batch_size=self.c.get('text_batch', 4),
-          dtype=self.family.dit.dtype, param_dtype=self.family.dit.dtype,
-          plan=parallel.ShardingPlan.for_host(self.config, jax.local_devices(), self.family))
-      if enc.dim != self.text_dim:
-        raise ValueError(f'config.cosmos.text_encoder={self.c.text_encoder!r} gives {enc.dim}-wide '
-                         f'embeddings ({enc.config.num_layers} layers x {enc.config.hidden_size}); the DiT '
-                         f'takes {self.text_dim} (config.cosmos.model={self.c.model!r})')
-      self._reason1 = enc
-    return self._reason1
+    """list[str] -> (B, L, C) float32 text embeddings as the DiT's cond['text'] (host): the family's
+    encoder (config.cosmos.text), not cached."""
+    return self.family.encode_prompts(list(prompts))['text_embedding']
 
   def device_text_encoder(self):
     """The text encoder this task runs on the training devices (models.reason1_text.DeviceEncoder, for
-    `ddrl_jax.aot`), or None without config.cosmos.text='reason1'."""
-    from ddrl_jax.models import reason1_text  # pylint: disable=g-import-not-at-top
-    return reason1_text.device_encoder(self.c, self.text_dim, self.family.dit.dtype)
-
-  def _reason1_embed(self, prompts):
-    encoded = self._reason1_encoder().encode(prompts)
-    self.num_truncated_prompts += encoded.num_truncated
-    return np.asarray(encoded.embeddings, np.float32)
+    `ddrl_jax.aot`), or None without config.cosmos.text='reason1': the family's."""
+    return self.family.device_text_encoder()
 
 
 def _finite_mean(values):

@@ -1,7 +1,11 @@
 """Evaluating a Cosmos video model on a prompt file with categories, as the DDRL paper evaluates on PAI-Bench.
 
 `python -m ddrl_jax.evaluate --config=configs/cosmos2b.py --checkpoint=WORKDIR --prompt_file=FILE
-[--baseline=base]` (ddrl_jax/evaluate.py) calls `evaluate_prompt_file`:
+[--baseline=base] [--out=DIR]` (ddrl_jax/evaluate.py) calls the task's `evaluate_checkpoints`, which checks
+every input first (the model's weights, the prompt file, the judges' files), then for the baseline and the
+checkpoint calls `evaluate_prompt_file`, and writes table.md, one JSON line per model to evaluation.jsonl,
+MP4s of the first --videos_per_category prompts of each category, base|trained side-by-side MP4s and
+grid.png into DIR (default <checkpoint>/evaluation). `evaluate_prompt_file`:
 
   1. every entry of the prompt file (`data.prompt_file`: prompt, category, optional first frame) becomes one
      condition: image-to-video where it names an image, text-to-video otherwise;
@@ -17,24 +21,23 @@
      category x column table.
 """
 import collections
+import json
 import logging
 import os
+import time
 
 import jax
 import numpy as np
 
+from ddrl_jax import cli
 from ddrl_jax import parallel
+from ddrl_jax import preflight
 from ddrl_jax import update as update_lib
-from ddrl_jax.rewards import registry
+from ddrl_jax.data import prompt_file as prompt_file_lib
+from ddrl_jax.rewards import judges as judges_lib
 from ddrl_jax.tasks import video
 
 ALL = 'all'
-
-
-def make_judges(config, names):
-  """{name: reward object} built in this process from config.reward.kwargs (nothing else is read)."""
-  kwargs = config.reward.get('kwargs') or {}
-  return {name: registry.make_reward(name, **dict(kwargs.get(name) or {})) for name in names}
 
 
 def score_columns(judges, videos, prompts):
@@ -169,3 +172,70 @@ def write_examples(out_dir, entries, rows, videos, fps, baseline=None):
     image_grid.write_grid(grid, np.stack(frames), 6 if baseline is not None else 3)
     paths.append(grid)
   return paths
+
+
+def evaluation_inputs(task, judges, prompt_file):
+  """One-line problems with what a video evaluation reads: the model's weights (as the task lists them,
+  less the training records and the prompt file given here), the prompt file, the judges' files."""
+  config = task.config
+  inputs = [i for i in task.required_inputs() if i.key not in ('data.path', 'cosmos.eval_prompts')]
+  inputs.append(preflight.Input('cosmos.eval_prompts', prompt_file, 'the prompt file (--prompt_file)'))
+  found = [p for p in (i.problem() for i in inputs) if p] if config.get('require_inputs') else \
+      [p for p in [inputs[-1].problem()] if p]
+  return found + judges_lib.input_problems(config, judges)
+
+
+def evaluate_checkpoints(task, request):
+  """The module docstring's evaluation of request.baseline (if set) and request.checkpoints[0] on the
+  same seeds, for the video task `task`; returns the JSON rows written."""
+  config = task.config
+  if len(request.checkpoints) != 1:
+    raise cli.UsageError(f'--checkpoint: the video evaluation takes one checkpoint, got '
+                         f'{list(request.checkpoints)}', 'compare a second model with --baseline')
+  ckpt = request.checkpoints[0]
+  path = request.prompt_file or config.cosmos.get('eval_prompts', '')
+  judges = list(request.judges or config.cosmos.get('eval_rewards', ()))
+  judges_lib.check_names(judges, '--judges or config.cosmos.eval_rewards')
+  found = evaluation_inputs(task, judges, path)
+  if found:
+    raise cli.UsageError('the evaluation needs inputs it was not given: ' + '; '.join(found),
+                         'set them with --config.<key>=... or the flags named')
+  try:
+    entries = prompt_file_lib.read_prompt_file(path)
+  except prompt_file_lib.PromptFileError as e:
+    raise cli.UsageError(str(e), 'see ddrl_jax/data/prompt_file.py for the layouts') from e
+  entries = entries[:request.max_prompts] if request.max_prompts else entries
+  config.require_inputs = False          # checked above, less the training data
+  out_dir = request.out or os.path.join(ckpt if os.path.isdir(ckpt) else '/tmp', 'evaluation')
+  judge_objs = judges_lib.build(config, judges, '--judges or config.cosmos.eval_rewards')
+  rows, baseline_videos, trained_videos = [], None, None
+  for label, which in (('baseline', request.baseline), ('checkpoint', ckpt)):
+    if not which:
+      continue
+    t0 = time.perf_counter()
+    ema = bool(request.ema and label == 'checkpoint')
+    task, apply_fn, params = request.load(which, ema)
+    summary, _, videos = evaluate_prompt_file(config, task, apply_fn, params, entries, judge_objs,
+                                              seed=request.seed, batch=request.batch)
+    if label == 'baseline':
+      baseline_videos = videos
+    else:
+      trained_videos = videos
+    columns = sorted(k for k in summary if '@' not in k and k not in ('finite_fraction',))
+    table = table_markdown(summary, entries, columns, label=which)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, 'table.md'), 'a') as f:
+      f.write(f'\n### {label}: {which}\n\n{table}\n')
+    row = dict(model=label, checkpoint=which, ema=ema, prompt_file=path, num_prompts=len(entries),
+               seed=request.seed,
+               steps=int(config.sampler.get('eval_num_steps', 0) or config.sampler.num_steps),
+               guidance=float(config.cosmos.get('guidance_eval', 0.0)),
+               seconds=time.perf_counter() - t0, **summary)
+    with open(os.path.join(out_dir, 'evaluation.jsonl'), 'a') as f:
+      f.write(json.dumps(row) + '\n')
+    print(table)
+    rows.append(row)
+  write_examples(out_dir, entries, example_rows(entries, request.videos_per_category), trained_videos,
+                 config.eval_video_fps, baseline=baseline_videos)
+  print(json.dumps({'out': out_dir, 'rows': len(rows)}))
+  return rows

@@ -3,7 +3,23 @@ with a byte text encoder ('cosmos_t2i'), behind `models.family.ModelFamily`; and
 
 'cosmos' reads config.cosmos (configs/cosmos_common.py): the DiT preset and overrides, dtypes, remat,
 attention kernel, the converted checkpoint and the image-to-video conditioning time. Its velocity adapter
-is cosmos' frame replacement (`make_video_apply_fn`; the derivation is in tasks/video.py).
+is cosmos' frame replacement (`make_video_apply_fn`; the derivation is in tasks/video.py). It owns its
+pipeline (`models.pipeline.LatentPipeline`):
+  VAE    the Wan2.1 VAE (`models.video_vae.WanVAE`, Cosmos-Predict2.5's tokenizer) of config.cosmos.vae with
+         vae_overrides, weights from config.cosmos.vae_checkpoint ('' = random, seed vae_seed), in chunks of
+         config.cosmos.vae_batch; samples (16, T, H, W) normalized latents, media (F, H, W, 3) uint8 videos
+         with F = 1 + 4 (T - 1) (the tiny preset's factors where it has others).
+  text   config.cosmos.text: 'reason1', Cosmos-Predict2.5's own conditioning, the Cosmos-Reason1-7B
+         language model in JAX (`models.reason1_text`) from config.cosmos.text_encoder, text_length chat
+         tokens, 28 normalised hidden states concatenated (512, 100352) at the paper's size, prompts cut to
+         text_length counted in `num_truncated_prompts`; 'bytes', the prompt's UTF-8 bytes through a frozen
+         fixed-seed (config.cosmos.text_seed) `models.text.ByteEmbedding` of the DiT's text width (a
+         stand-in for `:smoke` runs). Embeddings are not cached (`cache_text` False): a Reason1 one is
+         196 MiB in float32 at the paper's size, and one encoder forward costs about 1/300 of one DiT
+         forward at 720p (README). `device_text_encoder()` describes the Reason1 encoder for `aot`.
+  guidance  Cosmos' own, not the pipeline's empty-prompt CFG (guidance_mode 'none'): the task adds
+         'guidance' w (B,) and 'null_text', `negative_text()` (config.cosmos.negative_prompt, default
+         diffusers' NEGATIVE_PROMPT), and the adapter computes v_cond + w (v_cond - v_null).
 
 'cosmos_t2i' reads config.ocr (configs/ocr_tiny.py): width, depth, heads, ..., the x-prediction floor
 min_t, classifier-free guidance, and the base checkpoint written by `ddrl_jax.pretrain`. The image size is
@@ -15,8 +31,13 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
+import numpy as np
+
 from ddrl_jax import params_io
 from ddrl_jax.models import family as family_lib
+from ddrl_jax.models import pipeline as pipeline_lib
+from ddrl_jax.models import text as text_lib
+from ddrl_jax.models import video_vae
 from ddrl_jax.models.cosmos import convert as cosmos_convert
 from ddrl_jax.models.cosmos import dit as cosmos_dit
 from ddrl_jax.models.cosmos import t2i as cosmos_t2i
@@ -36,10 +57,26 @@ LOGICAL_RULES = {
 }
 SEQUENCE_NAMES = ('act_frames', 'act_seq')
 
+VAE_PRESETS = {'wan21': video_vae.wan21, 'tiny': video_vae.tiny}
+TEXT_KINDS = ('reason1', 'bytes')
+# diffusers' Cosmos2_5_PredictBasePipeline DEFAULT_NEGATIVE_PROMPT (its classifier-free guidance's null).
+NEGATIVE_PROMPT = (
+    'The video captures a series of frames showing ugly scenes, static with no motion, motion blur, '
+    'over-saturation, shaky footage, low resolution, grainy texture, pixelated images, poorly lit areas, '
+    'underexposed and overexposed scenes, poor color balance, washed out colors, choppy sequences, '
+    'jerky movements, low frame rate, artifacting, color banding, unnatural transitions, outdated special '
+    'effects, fake elements, unconvincing visuals, poorly edited content, jump cuts, visual noise, and '
+    'flickering. Overall, the video is of poor quality.')
+
 
 def dit_config(c):
   """CosmosDiTConfig from config.cosmos: preset ('cosmos2b', 'cosmos14b', 'tiny') + overrides."""
   return family_lib.preset_config(PRESETS, c, 'config.cosmos')
+
+
+def vae_config(c):
+  """The Wan VAE config of config.cosmos.vae (a VAE_PRESETS key) with config.cosmos.vae_overrides."""
+  return family_lib.vae_preset_config(VAE_PRESETS, c, 'config.cosmos')
 
 
 def make_video_apply_fn(graphdef, cond_timestep):
@@ -168,19 +205,125 @@ class _CosmosBase(family_lib.SectionFamily):
     return dit_exporter(self.dit.num_blocks, self._export_subtree)
 
 
-class CosmosVideoFamily(_CosmosBase):
-  """The Cosmos-Predict2.5 DiT on (16, T, H, W) latents, from config.cosmos."""
+class CosmosVideoFamily(_CosmosBase, pipeline_lib.LatentPipeline):
+  """The Cosmos-Predict2.5 DiT on (16, T, H, W) latents with its pipeline (the Wan2.1 VAE, the Reason1 or
+  byte text encoder; see the module docstring), from config.cosmos."""
 
   name = 'cosmos'
   section = 'cosmos'
   # The base weights' source and the evaluation's prompts, guidance and judges: a resumed run may change them.
   resume_safe_keys = ('cosmos.checkpoint', 'cosmos.eval_prompts', 'cosmos.guidance_eval',
                       'cosmos.negative_prompt', 'cosmos.eval_rewards')
+  TEXT_FIELDS = {'text': 'text_embedding'}
+  DECODE_PERM = (0, 2, 3, 4, 1)          # (M, 3, F, H, W) -> (M, F, H, W, 3)
+  guidance_mode = 'none'                 # Cosmos' guidance is its own (negative prompt, w > 0; see above)
+  cache_text = False                     # a Reason1 embedding is 196 MiB at the paper's size
+  vae_checkpoint_key = 'config.cosmos.vae_checkpoint'
+  shape_key = 'config.cosmos.latent_shape'
 
   def __init__(self, config):
-    self.c = config.cosmos
-    self.dit = dit_config(self.c)
+    self.config = config
+    self.c = c = config.cosmos
+    self.dit = dit_config(c)
+    if c.text not in TEXT_KINDS:
+      raise ValueError(f'config.cosmos.text={c.text!r}; known: {TEXT_KINDS}')
+    self.vae_cfg = vae_config(c)
+    if self.vae_cfg.z_dim != self.dit.in_channels:
+      raise ValueError(f'config.cosmos: VAE z_dim {self.vae_cfg.z_dim} != DiT in_channels '
+                       f'{self.dit.in_channels}')
+    lt, lh, lw = c.latent_shape
+    self.sample_shape = (self.dit.in_channels, lt, lh, lw)
+    tf, sf = self.vae_cfg.temporal_factor, self.vae_cfg.spatial_factor
+    self.media_shape = (1 + tf * (lt - 1), sf * lh, sf * lw, 3)
+    self.vae_checkpoint = c.vae_checkpoint
+    self.vae_batch = c.vae_batch
+    self.num_truncated_prompts = 0   # prompts longer than text_length chat tokens (cut, logged)
+    self._negative_text = None
 
+  @property
+  def text_width(self):
+    """The width C of the DiT's text input cond['text'] (B, L, C): crossattn_in, or context_dim without a
+    projection."""
+    return self.dit.crossattn_in or self.dit.context_dim
+
+  # ------------------------------------------------------------------------------ pipeline
+  def text_shapes(self):
+    return dict(text=(self.c.text_length, self.text_width))
+
+  def make_text_encoder(self):
+    """'reason1': the Cosmos-Reason1 encoder of config.cosmos.text_encoder, checked against the DiT's text
+    width; 'bytes': the frozen byte embedding (jitted)."""
+    c = self.c
+    if c.text == 'bytes':
+      emb = text_lib.ByteEmbedding(self.text_width, c.text_length, rngs=nnx.Rngs(c.text_seed))
+      return jax.jit(lambda i: emb(i))  # pylint: disable=unnecessary-lambda
+    from ddrl_jax import parallel  # pylint: disable=g-import-not-at-top
+    from ddrl_jax.models import reason1_text  # pylint: disable=g-import-not-at-top
+    if not c.get('text_encoder'):
+      raise ValueError("config.cosmos.text='reason1' needs config.cosmos.text_encoder: a diffusers "
+                       'Cosmos-Predict2.5 folder (text_encoder/ + tokenizer/, e.g. of '
+                       'nvidia/Cosmos-Predict2.5-2B) or its text_encoder folder')
+    # Inference only (no fp32 masters), FSDP over this process's devices: each process encodes its own
+    # groups' prompts, so the encoder runs without cross-host collectives (ShardingPlan.for_host).
+    enc = reason1_text.Reason1TextEncoder.from_pretrained(
+        c.text_encoder, max_length=c.text_length, batch_size=c.get('text_batch', 4),
+        dtype=self.dit.dtype, param_dtype=self.dit.dtype,
+        plan=parallel.ShardingPlan.for_host(self.config, jax.local_devices(), self))
+    if enc.dim != self.text_width:
+      raise ValueError(f'config.cosmos.text_encoder={c.text_encoder!r} gives {enc.dim}-wide '
+                       f'embeddings ({enc.config.num_layers} layers x {enc.config.hidden_size}); the DiT '
+                       f'takes {self.text_width} (config.cosmos.model={c.model!r})')
+    return enc
+
+  def encode_text(self, encoder, prompts):
+    """{'text_embedding': (B, text_length, text_width) float32} of `prompts`."""
+    prompts = list(prompts)
+    if self.c.text == 'bytes':
+      ids, _ = text_lib.encode_bytes(prompts, self.c.text_length)
+      return dict(text_embedding=np.asarray(encoder(jnp.asarray(ids)), np.float32))
+    encoded = encoder.encode(prompts)
+    self.num_truncated_prompts += encoded.num_truncated
+    return dict(text_embedding=np.asarray(encoded.embeddings, np.float32))
+
+  def negative_text(self):
+    """(text_length, text_width) float32: the embedding of config.cosmos.negative_prompt (diffusers'
+    NEGATIVE_PROMPT when the config has none), the null branch of Cosmos' guidance (kept for the run)."""
+    if self._negative_text is None:
+      prompt = self.c.get('negative_prompt', NEGATIVE_PROMPT)
+      self._negative_text = self.encode_prompts([prompt])['text_embedding'][0]
+    return self._negative_text
+
+  def device_text_encoder(self):
+    """The text encoder run on the training devices (models.reason1_text.DeviceEncoder, for
+    `ddrl_jax.aot`), or None without config.cosmos.text='reason1'."""
+    from ddrl_jax.models import reason1_text  # pylint: disable=g-import-not-at-top
+    return reason1_text.device_encoder(self.c, self.text_width, self.dit.dtype)
+
+  def build_vae(self):
+    return video_vae.WanVAE(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
+
+  def media_to_pixels(self, media_u8):
+    """(B, F, H, W, 3) uint8 -> (B, 3, F, H, W) float32 in [-1, 1]."""
+    return np.transpose(media_u8.astype(np.float32) / 127.5 - 1.0, (0, 4, 1, 2, 3))
+
+  def required_inputs(self):
+    """The weights a full run needs: the converted DiT and Wan2.1 VAE and, with config.cosmos.text
+    'reason1', the Cosmos-Reason1 text encoder (`preflight.Input`s with the commands that make them)."""
+    from ddrl_jax import preflight  # pylint: disable=g-import-not-at-top
+    c, model = self.c, self.c.model
+    folder = '<diffusers Cosmos-Predict2.5 folder>'
+    out = [preflight.Input('cosmos.checkpoint', c.checkpoint, f'the converted {model} DiT',
+                           f'python -m ddrl_jax.models.convert --model={model} --source={folder}/transformer '
+                           '--out=<dir>'),
+           preflight.Input('cosmos.vae_checkpoint', c.vae_checkpoint, 'the converted Wan2.1 VAE',
+                           f'python -m ddrl_jax.models.convert --model=wan21_vae --source={folder}/vae '
+                           '--out=<dir>')]
+    if c.text == 'reason1':
+      out.append(preflight.Input('cosmos.text_encoder', c.get('text_encoder', ''),
+                                 'the Cosmos-Reason1 text encoder', f'{folder} (text_encoder/ + tokenizer/)'))
+    return out
+
+  # -------------------------------------------------------------------------------- network
   def build(self, key):
     return cosmos_dit.CosmosDiT(self.dit, rngs=nnx.Rngs(key))
 

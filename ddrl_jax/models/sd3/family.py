@@ -1,5 +1,6 @@
 """SD3.5 as a model family ('sd3'): the MMDiT, its pipeline (CLIP-L/G + T5 text encoders, the
-16-channel VAE, the condition schema), and the SD3 converters (transformer and VAE).
+16-channel VAE, the condition schema), and the SD3 converters (transformer and VAE). The VAE is the shared
+`models.autoencoder_kl.AutoencoderKL` at its `sd35` preset.
 
 Reads config.sd3 (configs/sd35m.py): the MMDiT preset ('sd35_medium', 'sd35_large', 'tiny') and overrides,
 dtypes, remat, the attention kernel, the converted checkpoint, the text encoders' folder and the T5
@@ -22,16 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddrl_jax.models import autoencoder_kl
+from ddrl_jax.models import autoencoder_kl_convert
 from ddrl_jax.models import family as family_lib
 from ddrl_jax.models import pipeline as pipeline_lib
 from ddrl_jax.models.sd3 import convert as sd3_convert
 from ddrl_jax.models.sd3 import mmdit
-from ddrl_jax.models.sd3 import vae as sd3_vae
-from ddrl_jax.models.sd3 import vae_convert
 from ddrl_jax.parallel import rules as rules_lib
 
 PRESETS = {'sd35_medium': mmdit.sd35_medium, 'sd35_large': mmdit.sd35_large, 'tiny': mmdit.tiny}
-VAE_PRESETS = {'sd35': sd3_vae.sd35, 'tiny': sd3_vae.tiny}
+VAE_PRESETS = {'sd35': autoencoder_kl.sd35, 'tiny': autoencoder_kl.tiny}
 CLIP_TOKENS = 77            # CLIP-L/G's sequence, before T5's max_sequence_length tokens
 
 # The MMDiT's logical names beyond the shared ones (parallel/rules.py).
@@ -135,7 +136,7 @@ class SD3Family(family_lib.SectionFamily, pipeline_lib.LatentPipeline):
     return dict(text=(self.text_length, self.dit.joint_attention_dim), pooled=(self.dit.pooled_projection_dim,))
 
   def build_vae(self):
-    return sd3_vae.SD3VAE(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
+    return autoencoder_kl.AutoencoderKL(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
 
   def media_to_pixels(self, media_u8):
     """(B, 1, R, R, 3) uint8 -> (B, 3, R, R) float32 in [-1, 1]."""
@@ -183,8 +184,8 @@ def _convert_dit(state_dict, config):
 
 
 def _convert_vae(state_dict, config):
-  pure = vae_convert.from_diffusers_state_dict(state_dict, config)
-  return _state_of(sd3_vae.abstract_model(config), pure), 'diffusers'
+  pure = autoencoder_kl_convert.from_diffusers_state_dict(state_dict, config)
+  return _state_of(autoencoder_kl.abstract_model(config), pure), 'diffusers'
 
 
 def _dit_converter(preset):
@@ -194,9 +195,9 @@ def _dit_converter(preset):
 
 def _vae_converter(preset):
   return family_lib.Converter(make_config=lambda param_dtype: preset(param_dtype=param_dtype),
-                              abstract=sd3_vae.abstract_model, convert=_convert_vae, subfolder='vae')
+                              abstract=autoencoder_kl.abstract_model, convert=_convert_vae, subfolder='vae')
 
 
 CONVERTERS = {'sd35_medium': _dit_converter(mmdit.sd35_medium), 'sd35_large': _dit_converter(mmdit.sd35_large),
-              'sd3_tiny': _dit_converter(mmdit.tiny), 'sd35_vae': _vae_converter(sd3_vae.sd35),
-              'sd3_vae_tiny': _vae_converter(sd3_vae.tiny)}
+              'sd3_tiny': _dit_converter(mmdit.tiny), 'sd35_vae': _vae_converter(autoencoder_kl.sd35),
+              'sd3_vae_tiny': _vae_converter(autoencoder_kl.tiny)}

@@ -25,7 +25,9 @@ refuse sharded safetensors; there is no Flax-vs-torch parity risk on a 4.7 B-par
 encoders run once per prompt at data-preparation time (RL prompt sets are fixed), never inside the
 jitted training step, so nothing is gained by having them in JAX.
 
-`tiny_random` builds the same three model classes at toy sizes with random weights and tokenizers
+The pieces that are not SD3's own (the torch import, loading and saving one encoder's subfolders, the CLIP
+and T5 encodings, the offline tokenizers and tiny models) are `models.hf_text`'s, shared with the other
+families. `tiny_random` builds the same three model classes at toy sizes with random weights and tokenizers
 constructed in-process (no download), and `SD3TextEncoders.save_pretrained` writes them as a diffusers
 pipeline folder (T5 sharded), so tests go through the real `from_pretrained` path.
 """
@@ -34,7 +36,8 @@ import os
 
 import numpy as np
 
-CLIP_MAX_LENGTH = 77          # both CLIP tokenizers' model_max_length in the SD3 checkpoints
+from ddrl_jax.models import hf_text
+
 T5_MAX_SEQUENCE_LENGTH = 256  # diffusers' default max_sequence_length for SD3
 SD3_JOINT_DIM = 4096          # SD3 transformer joint_attention_dim (= T5-XXL d_model)
 
@@ -42,24 +45,6 @@ SD3_JOINT_DIM = 4096          # SD3 transformer joint_attention_dim (= T5-XXL d_
 CLIP_L_PARTS = ('text_encoder', 'tokenizer')
 CLIP_G_PARTS = ('text_encoder_2', 'tokenizer_2')
 T5_PARTS = ('text_encoder_3', 'tokenizer_3')
-
-
-def _torch():
-  try:
-    import torch  # local import: the rest of ddrl_jax does not need torch
-  except ImportError as e:
-    raise ImportError("SD3's text encoders run with transformers' PyTorch classes: pip install -e '.[text]'"
-                      ) from e
-  return torch
-
-
-def _torch_dtype(dtype):
-  torch = _torch()
-  if dtype is None:
-    return torch.float32
-  if isinstance(dtype, str):
-    return getattr(torch, dtype)
-  return dtype
 
 
 class SD3TextEncoders:
@@ -117,29 +102,19 @@ class SD3TextEncoders:
     dtype: the encoders' weight dtype (torch dtype or its name); outputs are float32 either way.
     """
     from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-      raise FileNotFoundError(f'SD3 pipeline folder {path!r} does not exist')
+    path = hf_text.pipeline_folder(path, 'SD3 pipeline folder')
     needed = list(CLIP_L_PARTS + CLIP_G_PARTS) + (list(T5_PARTS) if load_t5 else [])
-    missing = [s for s in needed if not os.path.isdir(os.path.join(path, s))]
+    missing = hf_text.missing_subfolders(path, needed)
     if missing:
       hint = ' (or pass load_t5=False to run without T5)' if set(missing) & set(T5_PARTS) else ''
       raise FileNotFoundError(
           f'SD3 pipeline folder {path!r} lacks the subfolder(s) {", ".join(missing)}: expected text_encoder/, '
           f'tokenizer/ (CLIP-L), text_encoder_2/, tokenizer_2/ (CLIP-G), text_encoder_3/, tokenizer_3/ (T5){hint}')
-    tdtype = _torch_dtype(dtype)
-    kw = dict(local_files_only=True)
-
-    def clip(enc_sub, tok_sub):
-      return (CLIPTokenizer.from_pretrained(path, subfolder=tok_sub, **kw),
-              CLIPTextModelWithProjection.from_pretrained(path, subfolder=enc_sub, dtype=tdtype, **kw))
-
-    tok, enc = clip(*CLIP_L_PARTS)
-    tok2, enc2 = clip(*CLIP_G_PARTS)
+    tok, enc = hf_text.load_part(path, CLIP_L_PARTS, CLIPTextModelWithProjection, CLIPTokenizer, dtype=dtype)
+    tok2, enc2 = hf_text.load_part(path, CLIP_G_PARTS, CLIPTextModelWithProjection, CLIPTokenizer, dtype=dtype)
     tok3 = enc3 = None
     if load_t5:
-      tok3 = T5TokenizerFast.from_pretrained(path, subfolder=T5_PARTS[1], **kw)
-      enc3 = T5EncoderModel.from_pretrained(path, subfolder=T5_PARTS[0], dtype=tdtype, **kw)
+      tok3, enc3 = hf_text.load_part(path, T5_PARTS, T5EncoderModel, T5TokenizerFast, dtype=dtype)
     elif joint_dim is None:
       cfg = os.path.join(path, 'transformer', 'config.json')
       if os.path.isfile(cfg):
@@ -158,12 +133,8 @@ class SD3TextEncoders:
       parts.append((T5_PARTS, self.text_encoder_3, self.tokenizer_3))
     index = {'_class_name': 'StableDiffusion3Pipeline', 'transformer': [None, None], 'vae': [None, None],
              'scheduler': [None, None]}
-    for (enc_sub, tok_sub), enc, tok in parts:
-      shard = dict(max_shard_size=max_shard_size) if enc_sub == T5_PARTS[0] else {}
-      enc.save_pretrained(os.path.join(path, enc_sub), safe_serialization=True, **shard)
-      tok.save_pretrained(os.path.join(path, tok_sub))
-      index[enc_sub] = ['transformers', type(enc).__name__]
-      index[tok_sub] = ['transformers', type(tok).__name__]
+    for sub, enc, tok in parts:
+      index.update(hf_text.save_part(path, sub, enc, tok, max_shard_size=max_shard_size if sub == T5_PARTS else None))
     for enc_sub, tok_sub in [T5_PARTS] if self.text_encoder_3 is None else []:
       index[enc_sub] = index[tok_sub] = [None, None]
     with open(os.path.join(path, 'model_index.json'), 'w') as f:
@@ -172,23 +143,18 @@ class SD3TextEncoders:
   # ------------------------------------------------------------------ encoding
 
   def _clip(self, tokenizer, encoder, prompts, clip_skip):
-    torch = _torch()
-    ids = tokenizer(prompts, padding='max_length', max_length=self.clip_max_length, truncation=True,
-                    return_tensors='pt').input_ids
-    out = encoder(ids.to(self.device), output_hidden_states=True)
-    hidden = out.hidden_states[-2 if clip_skip is None else -(clip_skip + 2)]
-    return hidden.to(torch.float32), out.text_embeds.to(torch.float32)
+    return hf_text.encode_clip(tokenizer, encoder, prompts, max_length=self.clip_max_length, clip_skip=clip_skip,
+                               device=self.device)
 
   def _t5(self, prompts, max_sequence_length):
-    torch = _torch()
     if self.text_encoder_3 is None:
+      torch = hf_text.torch_module()
       return torch.zeros((len(prompts), max_sequence_length, self.joint_dim), dtype=torch.float32)
-    ids = self.tokenizer_3(prompts, padding='max_length', max_length=max_sequence_length, truncation=True,
-                           add_special_tokens=True, return_tensors='pt').input_ids
-    return self.text_encoder_3(ids.to(self.device))[0].to(torch.float32)
+    return hf_text.encode_t5(self.tokenizer_3, self.text_encoder_3, prompts, max_length=max_sequence_length,
+                             device=self.device)
 
   def _encode_chunk(self, prompts, prompts_2, prompts_3, max_sequence_length, clip_skip):
-    torch = _torch()
+    torch = hf_text.torch_module()
     h1, p1 = self._clip(self.tokenizer, self.text_encoder, prompts, clip_skip)
     h2, p2 = self._clip(self.tokenizer_2, self.text_encoder_2, prompts_2, clip_skip)
     clip_seq = torch.cat([h1, h2], dim=-1)
@@ -205,7 +171,7 @@ class SD3TextEncoders:
     prompts_2 / prompts_3: other texts for CLIP-G / T5 (diffusers' prompt_2 / prompt_3); default: prompts.
     clip_skip: as diffusers (None: the penultimate CLIP layer). Runs in chunks of batch_size prompts.
     """
-    torch = _torch()
+    torch = hf_text.torch_module()
     if isinstance(prompts, str):
       prompts = [prompts]
     prompts = list(prompts)
@@ -235,58 +201,6 @@ class SD3TextEncoders:
 
 # ---------------------------------------------------------------------- tiny random encoders (tests)
 
-_WORDS = ('a photo of the cat dog sign that says hello world with text on red blue green street '
-          'an image in and at is sky tree house big small').split()
-
-
-def _clip_tokenizer(directory, pad_token):
-  """A CLIPTokenizer over a generated byte-level BPE vocab: the 256 byte symbols, each also word-final
-  ('</w>'), merges spelling a few common words left to right, then <|startoftext|>, <|endoftext|>
-  (the highest id, as in CLIP, so the legacy argmax EOS pooling finds it)."""
-  from transformers import CLIPTokenizer
-  from transformers.models.clip.tokenization_clip import bytes_to_unicode
-  symbols = list(bytes_to_unicode().values())
-  vocab = symbols + [s + '</w>' for s in symbols]
-  merges = []
-  for word in _WORDS:
-    piece = word[0]
-    for k, ch in enumerate(word[1:], start=1):
-      nxt = ch + ('</w>' if k == len(word) - 1 else '')
-      merge = f'{piece} {nxt}'
-      piece = piece + nxt
-      if merge not in merges:
-        merges.append(merge)
-        vocab.append(piece)
-  vocab += ['<|startoftext|>', '<|endoftext|>']
-  assert len(set(vocab)) == len(vocab)
-  os.makedirs(directory, exist_ok=True)
-  with open(os.path.join(directory, 'vocab.json'), 'w') as f:
-    json.dump({t: i for i, t in enumerate(vocab)}, f)
-  with open(os.path.join(directory, 'merges.txt'), 'w') as f:
-    f.write('#version: 0.2\n' + '\n'.join(merges) + '\n')
-  return CLIPTokenizer(os.path.join(directory, 'vocab.json'), os.path.join(directory, 'merges.txt'),
-                       pad_token=pad_token, model_max_length=CLIP_MAX_LENGTH)
-
-
-def _t5_tokenizer():
-  """A T5TokenizerFast over an in-process `tokenizers` Unigram model shaped like T5's: <pad>=0, </s>=1,
-  <unk>=2, Metaspace pre-tokenizer ('▁' word prefix), '</s>' appended by the post-processor."""
-  from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-  from transformers import T5TokenizerFast
-  chars = sorted(set('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?\'"-:;()'))
-  vocab = [('<pad>', 0.0), ('</s>', 0.0), ('<unk>', 0.0), ('▁', -2.0)]
-  vocab += [('▁' + w, -3.0 - 0.01 * i) for i, w in enumerate(_WORDS)]
-  vocab += [(c, -6.0) for c in chars] + [('▁' + c, -6.5) for c in chars if c not in _WORDS]
-  tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
-  tok.normalizer = normalizers.Sequence([normalizers.Replace(Regex(' {2,}'), ' ')])
-  tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement='▁', prepend_scheme='always')
-  tok.decoder = decoders.Metaspace(replacement='▁', prepend_scheme='always')
-  tok.post_processor = processors.TemplateProcessing(
-      single='$A </s>', pair='$A </s> $B </s>', special_tokens=[('</s>', 1)])
-  return T5TokenizerFast(tokenizer_object=tok, eos_token='</s>', unk_token='<unk>', pad_token='<pad>',
-                         extra_ids=0, model_max_length=512)
-
-
 TINY_CLIP_L_DIM, TINY_CLIP_G_DIM, TINY_T5_DIM = 16, 24, 48
 TINY_JOINT_DIM = TINY_T5_DIM                        # the joint sequence's width (T5's; CLIPs zero-padded)
 TINY_POOLED_DIM = TINY_CLIP_L_DIM + TINY_CLIP_G_DIM   # the pooled vector's width
@@ -305,43 +219,19 @@ def tiny_random(seed=0, *, clip_l_dim=TINY_CLIP_L_DIM, clip_g_dim=TINY_CLIP_G_DI
   """
   import tempfile
 
-  from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-  torch = _torch()
+  torch = hf_text.torch_module()
   if t5_dim < clip_l_dim + clip_g_dim:
     raise ValueError(f't5_dim={t5_dim} must be >= clip_l_dim + clip_g_dim = {clip_l_dim + clip_g_dim}')
   torch.manual_seed(seed)
   with tempfile.TemporaryDirectory() as tmp:
     base = tmpdir or tmp
-    tok = _clip_tokenizer(os.path.join(base, 'clip_l_vocab'), pad_token='<|endoftext|>')
-    tok2 = _clip_tokenizer(os.path.join(base, 'clip_g_vocab'), pad_token='!')
-  vocab = len(tok)
-  bos, eos = tok.bos_token_id, tok.eos_token_id
-
-  def clip(dim, act, eos_token_id):
-    cfg = CLIPTextConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, projection_dim=dim,
-                         num_hidden_layers=clip_layers, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
-                         hidden_act=act, bos_token_id=bos, eos_token_id=eos_token_id, pad_token_id=1)
-    return CLIPTextModelWithProjection(cfg).float().eval()
-
-  enc = clip(clip_l_dim, 'quick_gelu', 2)
-  enc2 = clip(clip_g_dim, 'gelu', eos)
+    tok = hf_text.clip_tokenizer(os.path.join(base, 'clip_l_vocab'), pad_token='<|endoftext|>')
+    tok2 = hf_text.clip_tokenizer(os.path.join(base, 'clip_g_vocab'), pad_token='!')
+  enc = hf_text.tiny_clip(tok, clip_l_dim, act='quick_gelu', eos_token_id=2, layers=clip_layers)
+  enc2 = hf_text.tiny_clip(tok2, clip_g_dim, act='gelu', eos_token_id=tok2.eos_token_id, layers=clip_layers)
   tok3 = enc3 = None
   if with_t5:
-    tok3 = _t5_tokenizer()
-    cfg3 = T5Config(vocab_size=len(tok3), d_model=t5_dim, d_kv=8, d_ff=2 * t5_dim, num_layers=t5_layers,
-                    num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
-                    feed_forward_proj='gated-gelu', is_encoder_decoder=False, use_cache=False,
-                    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    enc3 = T5EncoderModel(cfg3).float().eval()
-  # transformers' init of T5 is tiny-std for some weights; redraw everything O(1) so differences show
-  g = torch.Generator().manual_seed(seed + 1)
-  with torch.no_grad():
-    for m in [e for e in (enc, enc2, enc3) if e is not None]:
-      for name, p in m.named_parameters():
-        if p.ndim > 1:
-          p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p.shape[-1]))
-        elif 'norm' in name and name.endswith('weight') or name.endswith('layer_norm.weight'):
-          p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-        else:
-          p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    tok3 = hf_text.t5_tokenizer()
+    enc3 = hf_text.tiny_t5(tok3, t5_dim, layers=t5_layers)
+  hf_text.redraw_([e for e in (enc, enc2, enc3) if e is not None], seed + 1)
   return SD3TextEncoders(tok, enc, tok2, enc2, tok3, enc3, joint_dim=None if with_t5 else t5_dim)

@@ -11,7 +11,8 @@ classifier-free guidance also 'guidance' (B,) and 'null_text' (the empty prompt'
 v = v_null + w (v_cond - v_null) from one forward of 2B.
 
 Original Wan2.1 VAE names (`Wan2.1_VAE.pth`, Cosmos' `tokenizer.pth`) are renamed to diffusers'
-`AutoencoderKLWan` names first (`vae_convert.wan_original_to_diffusers`).
+`AutoencoderKLWan` names first (`video_vae_convert.wan_original_to_diffusers`). The VAE is the shared
+`models.video_vae.WanVAE` (Cosmos-Predict2.5 decodes with it too).
 """
 import flax.nnx as nnx
 import jax
@@ -20,14 +21,14 @@ import numpy as np
 
 from ddrl_jax.models import family as family_lib
 from ddrl_jax.models import pipeline as pipeline_lib
+from ddrl_jax.models import video_vae
+from ddrl_jax.models import video_vae_convert
 from ddrl_jax.models.wan import transformer as wan_dit
 from ddrl_jax.models.wan import transformer_convert
-from ddrl_jax.models.wan import vae as wan_vae
-from ddrl_jax.models.wan import vae_convert
 
 PRESETS = {'wan1_3b': wan_dit.wan1_3b, 'wan14b': wan_dit.wan14b, 'tiny': wan_dit.tiny}
 LOGICAL_RULES = dict(wan_dit.LOGICAL_RULES)
-VAE_PRESETS = {'wan21': wan_vae.wan21, 'tiny': wan_vae.tiny}
+VAE_PRESETS = {'wan21': video_vae.wan21, 'tiny': video_vae.tiny}
 
 
 def vae_config(c):
@@ -117,7 +118,7 @@ class WanFamily(family_lib.SectionFamily, pipeline_lib.LatentPipeline):
     return dict(text=(self.c.text_length, self.dit.text_dim))
 
   def build_vae(self):
-    return wan_vae.WanVAE(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
+    return video_vae.WanVAE(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
 
   def media_to_pixels(self, media_u8):
     """(B, F, H, W, 3) uint8 -> (B, 3, F, H, W) float32 in [-1, 1]."""
@@ -151,10 +152,10 @@ FAMILIES = {'wan': WanFamily}
 
 
 def _convert_vae(state_dict, config):
-  if vae_convert.is_wan_original(state_dict):
-    return vae_convert.convert_diffusers_vae_state_dict(
-        vae_convert.wan_original_to_diffusers(state_dict, config), config), 'wan_original'
-  return vae_convert.convert_diffusers_vae_state_dict(state_dict, config), 'diffusers'
+  if video_vae_convert.is_wan_original(state_dict):
+    return video_vae_convert.convert_diffusers_vae_state_dict(
+        video_vae_convert.wan_original_to_diffusers(state_dict, config), config), 'wan_original'
+  return video_vae_convert.convert_diffusers_vae_state_dict(state_dict, config), 'diffusers'
 
 
 def _convert_dit(state_dict, config):
@@ -169,11 +170,11 @@ def _converter(preset, convert, subfolder, abstract):
                               abstract=abstract, convert=convert, subfolder=subfolder)
 
 
-_vae_abstract = lambda config: vae_convert.abstract_params(config)[0]
+_vae_abstract = lambda config: video_vae_convert.abstract_params(config)[0]
 _dit_abstract = lambda config: nnx.eval_shape(lambda: wan_dit.WanDiT(config, rngs=nnx.Rngs(0)))
 CONVERTERS = {
-    'wan21_vae': _converter(wan_vae.wan21, _convert_vae, 'vae', _vae_abstract),
-    'wan_tiny': _converter(wan_vae.tiny, _convert_vae, 'vae', _vae_abstract),
+    'wan21_vae': _converter(video_vae.wan21, _convert_vae, 'vae', _vae_abstract),
+    'wan_tiny': _converter(video_vae.tiny, _convert_vae, 'vae', _vae_abstract),
     'wan1_3b': _converter(wan_dit.wan1_3b, _convert_dit, 'transformer', _dit_abstract),
     'wan14b': _converter(wan_dit.wan14b, _convert_dit, 'transformer', _dit_abstract),
     'wan_dit_tiny': _converter(wan_dit.tiny, _convert_dit, 'transformer', _dit_abstract),

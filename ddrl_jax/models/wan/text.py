@@ -21,9 +21,10 @@ reference; it reads the sharded safetensors that UMT5-XXL ships as natively; and
 per prompt at data-preparation time (RL prompt sets are fixed), never inside the jitted training step, so
 nothing would be gained by having it in JAX.
 
-`tiny_random` builds the same classes at toy size with random weights and a tokenizer built in-process (no
-download; the T5-shaped Unigram tokenizer of `models.sd3.text`), and `WanTextEncoder.save_pretrained` writes
-them as the text part of a diffusers Wan pipeline folder (the encoder sharded), so tests go through the
+The torch import, the subfolder loading / saving and the T5 tokenization are `models.hf_text`'s, shared with
+the other families. `tiny_random` builds the same classes at toy size with random weights and a tokenizer
+built in-process (no download; hf_text's T5-shaped Unigram tokenizer), and `WanTextEncoder.save_pretrained`
+writes them as the text part of a diffusers Wan pipeline folder (the encoder sharded), so tests go through the
 real `from_pretrained` path.
 """
 import html
@@ -33,27 +34,12 @@ import os
 
 import numpy as np
 
+from ddrl_jax.models import hf_text
+
 MAX_SEQUENCE_LENGTH = 512   # WanPipeline.__call__'s default max_sequence_length
 WAN_TEXT_DIM = 4096         # UMT5-XXL d_model (the Wan DiT's text_dim)
 
 TEXT_ENCODER, TOKENIZER = 'text_encoder', 'tokenizer'   # subfolders of a diffusers Wan pipeline folder
-
-
-def _torch():
-  try:
-    import torch  # local import: the rest of ddrl_jax does not need torch
-  except ImportError as e:
-    raise ImportError("Wan's text encoder runs with transformers' PyTorch classes: pip install -e '.[text]'") from e
-  return torch
-
-
-def _torch_dtype(dtype):
-  torch = _torch()
-  if dtype is None:
-    return torch.float32
-  if isinstance(dtype, str):
-    return getattr(torch, dtype)
-  return dtype
 
 
 # ---------------------------------------------------------------------- prompt cleaning
@@ -101,17 +87,13 @@ class WanTextEncoder:
     float32 either way.
     """
     from transformers import AutoTokenizer, UMT5EncoderModel
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-      raise FileNotFoundError(f'Wan pipeline folder {path!r} does not exist')
-    missing = [s for s in (TEXT_ENCODER, TOKENIZER) if not os.path.isdir(os.path.join(path, s))]
+    path = hf_text.pipeline_folder(path, 'Wan pipeline folder')
+    missing = hf_text.missing_subfolders(path, (TEXT_ENCODER, TOKENIZER))
     if missing:
       raise FileNotFoundError(
           f'Wan pipeline folder {path!r} lacks the subfolder(s) {", ".join(missing)}: expected '
           f'{TEXT_ENCODER}/ (UMT5EncoderModel) and {TOKENIZER}/ (the umt5-xxl tokenizer)')
-    kw = dict(local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path, subfolder=TOKENIZER, **kw)
-    enc = UMT5EncoderModel.from_pretrained(path, subfolder=TEXT_ENCODER, dtype=_torch_dtype(dtype), **kw)
+    tok, enc = hf_text.load_part(path, (TEXT_ENCODER, TOKENIZER), UMT5EncoderModel, AutoTokenizer, dtype=dtype)
     return cls(tok, enc, device=device)
 
   def save_pretrained(self, path, *, max_shard_size='5GB'):
@@ -121,9 +103,8 @@ class WanTextEncoder:
     """
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    self.text_encoder.save_pretrained(os.path.join(path, TEXT_ENCODER), safe_serialization=True,
-                                      max_shard_size=max_shard_size)
-    self.tokenizer.save_pretrained(os.path.join(path, TOKENIZER))
+    entries = hf_text.save_part(path, (TEXT_ENCODER, TOKENIZER), self.text_encoder, self.tokenizer,
+                                max_shard_size=max_shard_size)
     index_path = os.path.join(path, 'model_index.json')
     if os.path.isfile(index_path):
       with open(index_path) as f:
@@ -131,8 +112,7 @@ class WanTextEncoder:
     else:
       index = {'_class_name': 'WanPipeline', 'transformer': [None, None], 'vae': [None, None],
                'scheduler': [None, None]}
-    index[TEXT_ENCODER] = ['transformers', type(self.text_encoder).__name__]
-    index[TOKENIZER] = ['transformers', type(self.tokenizer).__name__]
+    index.update(entries)
     with open(index_path, 'w') as f:
       json.dump(index, f, indent=2, sort_keys=True)
 
@@ -140,12 +120,10 @@ class WanTextEncoder:
 
   def tokenize(self, prompts, max_sequence_length=MAX_SEQUENCE_LENGTH):
     """Cleaned prompts -> (input_ids, attention_mask), torch int64 (B, max_sequence_length), as diffusers."""
-    out = self.tokenizer([clean_prompt(p) for p in prompts], padding='max_length', max_length=max_sequence_length,
-                         truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors='pt')
-    return out.input_ids, out.attention_mask
+    return hf_text.t5_tokenize(self.tokenizer, [clean_prompt(p) for p in prompts], max_sequence_length)
 
   def _encode_chunk(self, prompts, max_sequence_length):
-    torch = _torch()
+    torch = hf_text.torch_module()
     ids, mask = self.tokenize(prompts, max_sequence_length)
     hidden = self.text_encoder(ids.to(self.device), mask.to(self.device)).last_hidden_state
     hidden = hidden.to(torch.float32).cpu()
@@ -156,7 +134,7 @@ class WanTextEncoder:
   def encode(self, prompts, max_sequence_length=MAX_SEQUENCE_LENGTH, *, batch_size=16):
     """Prompts -> (B, max_sequence_length, dim) float32 numpy: diffusers' Wan prompt_embeds (rows past each
     prompt's token count, '</s>' included, are zeros). Runs in chunks of batch_size prompts."""
-    torch = _torch()
+    torch = hf_text.torch_module()
     if isinstance(prompts, str):
       prompts = [prompts]
     prompts = list(prompts)
@@ -199,25 +177,15 @@ def tiny_random(seed=0, *, dim=TINY_TEXT_DIM, num_layers=TINY_TEXT_LAYERS, num_h
   transformers init is tiny-std for some) so that any mismatch shows.
   """
   from transformers import UMT5Config, UMT5EncoderModel
-
-  from ddrl_jax.models.sd3.text import _t5_tokenizer  # the offline T5-shaped Unigram tokenizer
-  torch = _torch()
+  torch = hf_text.torch_module()
   if dim % num_heads:
     raise ValueError(f'dim={dim} must be divisible by num_heads={num_heads}')
   torch.manual_seed(seed)
-  tok = _t5_tokenizer()
+  tok = hf_text.t5_tokenizer()
   cfg = UMT5Config(vocab_size=len(tok), d_model=dim, d_kv=dim // num_heads, d_ff=2 * dim, num_layers=num_layers,
                    num_heads=num_heads, relative_attention_num_buckets=8, relative_attention_max_distance=32,
                    feed_forward_proj='gated-gelu', is_encoder_decoder=False, use_cache=False, dropout_rate=0.0,
                    tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
   enc = UMT5EncoderModel(cfg).float().eval()
-  g = torch.Generator().manual_seed(seed + 1)
-  with torch.no_grad():
-    for name, p in enc.named_parameters():
-      if p.ndim > 1:
-        p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p.shape[-1]))
-      elif name.endswith('layer_norm.weight'):
-        p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-      else:
-        p.copy_(0.1 * torch.randn(p.shape, generator=g))
+  hf_text.redraw_([enc], seed + 1)
   return WanTextEncoder(tok, enc)

@@ -1,4 +1,5 @@
-"""diffusers `AutoencoderKLWan` state dict -> `WanVAE` NNX state.
+"""diffusers `AutoencoderKLWan` state dict -> `video_vae.WanVAE` NNX state (the Wan2.1 VAE used by Wan2.1 and
+Cosmos-Predict2.5).
 
 Names follow diffusers one-to-one ('.' -> '/'), except:
 - `*.weight` of a conv -> `kernel`: Conv3d (O, I, kt, kh, kw) -> (kt, kh, kw, I, O),
@@ -19,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from ddrl_jax.models import checked_state
-from ddrl_jax.models.wan.vae import WanVAE
+from ddrl_jax.models.video_vae import WanVAE
 
 _RENAMES = (('.resample.1.', '.resample.'), ('.upsamplers.0.', '.upsampler.'))
 

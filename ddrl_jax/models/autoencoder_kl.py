@@ -1,8 +1,13 @@
-"""The Stable Diffusion 3.5 VAE (diffusers `AutoencoderKL` with 16 latent channels) in Flax NNX.
+"""diffusers' `AutoencoderKL` (the 2-D image VAE of SD3 / SD3.5 and FLUX.1) in Flax NNX, shared by the families.
+
+One class for every family that decodes with an `AutoencoderKL`: the families differ only in the numbers
+of its config.json, so those live here as named presets of `AutoencoderKLConfig` (`sd35`, `flux1`, the test
+size `tiny`) rather than in each family's folder; a family picks a preset (its `VAE_PRESETS`) and its
+converter name. `autoencoder_kl_convert` reads the diffusers weights.
 
 Public layout is channel-first like diffusers and the rest of ddrl_jax: images (B, 3, H, W) in [-1, 1],
-latents (B, 16, H/8, W/8). Inside, every tensor is channels-last (B, H, W, C) and conv kernels are
-(kh, kw, Cin, Cout) (`nnx.Conv`).
+latents (B, Z, H/8, W/8) (Z = latent_channels, 16 for SD3 and FLUX.1). Inside, every tensor is
+channels-last (B, H, W, C) and conv kernels are (kh, kw, Cin, Cout) (`nnx.Conv`).
 
 Architecture (diffusers 0.39 `Encoder` / `Decoder` of `models/autoencoders/vae.py`):
 - encoder: conv_in k3 -> down_blocks[i] (layers_per_block ResNets, then, except the last block, a
@@ -14,11 +19,11 @@ Architecture (diffusers 0.39 `Encoder` / `Decoder` of `models/autoencoders/vae.p
   changes. Every GroupNorm has eps 1e-6 and runs in float32.
 - mid-block attention: one head over the H*W pixels: GroupNorm, `to_q/to_k/to_v/to_out` Dense layers
   (`layers.Dense`, so LoRA could attach), scale 1/sqrt(C), plus the residual.
-SD3.5 has no quant_conv / post_quant_conv (1x1 convs around the latent); both switches exist for the
-other AutoencoderKL users. The decoder output is not clipped (as diffusers).
+SD3.5 and FLUX.1 have no quant_conv / post_quant_conv (1x1 convs around the latent); both switches exist
+for the other AutoencoderKL users. The decoder output is not clipped (as diffusers).
 
-Latent convention of the SD3 pipelines: z = (mean - shift_factor) * scaling_factor into the transformer,
-and latents / scaling_factor + shift_factor back into the decoder (`normalize_latents`,
+Latent convention of the SD3 and FLUX pipelines: z = (mean - shift_factor) * scaling_factor into the
+transformer, and latents / scaling_factor + shift_factor back into the decoder (`normalize_latents`,
 `denormalize_latents`).
 
 Logical axis names of the parameters (no rule in `parallel.rules.DEFAULT_RULES` yet):
@@ -35,18 +40,23 @@ from flax import nnx
 
 from ddrl_jax.models import layers
 
-SD35_SCALING_FACTOR = 1.5305
+SD35_SCALING_FACTOR = 1.5305   # stabilityai/stable-diffusion-3.5-* vae/config.json
 SD35_SHIFT_FACTOR = 0.0609
+FLUX1_SCALING_FACTOR = 0.3611  # black-forest-labs/FLUX.1-dev (and -schnell) vae/config.json
+FLUX1_SHIFT_FACTOR = 0.1159
 GROUP_NORM_EPS = 1e-6
 LOGVAR_RANGE = (-30.0, 20.0)     # diffusers DiagonalGaussianDistribution clamps the log-variance
 
 
 @dataclasses.dataclass(frozen=True)
-class SD3VAEConfig:
+class AutoencoderKLConfig:
   """Hyper-parameters of the VAE (diffusers `AutoencoderKL` config names).
 
+  The defaults are the layout SD3.5 and FLUX.1 share (16 latent channels, widths 128-256-512-512, no quant
+  convs, mid attention) with SD3.5's latent scaling; the presets below name each released config, and
+  `autoencoder_kl_convert.config_from_diffusers` reads any other config.json (with diffusers' own defaults).
   block_out_channels: width of each encoder down block (the decoder uses them reversed); there are
-    len(block_out_channels) - 1 down/up samplings, so 8x for the 4 blocks of SD3.5.
+    len(block_out_channels) - 1 down/up samplings, so 8x for 4 blocks.
   dtype: compute dtype of the convs and attention; the GroupNorms always run in float32.
   """
   in_channels: int = 3
@@ -70,14 +80,23 @@ class SD3VAEConfig:
 
 def sd35(**overrides):
   """The released SD3 / SD3.5 VAE (`stabilityai/stable-diffusion-3.5-*`, vae/config.json): 83.65M parameters."""
-  return SD3VAEConfig(**overrides)
+  return AutoencoderKLConfig(**overrides)
+
+
+def flux1(**overrides):
+  """The released FLUX.1 VAE (`black-forest-labs/FLUX.1-dev` / `-schnell`, vae/config.json): SD3.5's layout
+  and size with FLUX's latent scaling (scaling_factor 0.3611, shift_factor 0.1159)."""
+  kw = dict(scaling_factor=FLUX1_SCALING_FACTOR, shift_factor=FLUX1_SHIFT_FACTOR)
+  kw.update(overrides)
+  return AutoencoderKLConfig(**kw)
 
 
 def tiny(**overrides):
-  """A tiny test config with the SD3 switches (16 latent channels, no quant convs, mid attention) and 8x."""
+  """A tiny test config with the SD3 / FLUX switches (16 latent channels, no quant convs, mid attention), 8x,
+  and SD3.5's latent scaling."""
   kw = dict(block_out_channels=(8, 16, 32, 32), layers_per_block=1, norm_num_groups=4)
   kw.update(overrides)
-  return SD3VAEConfig(**kw)
+  return AutoencoderKLConfig(**kw)
 
 
 def _conv(cin, cout, k, *, stride=1, padding=None, dtype, param_dtype, rngs):
@@ -204,7 +223,7 @@ class UpBlock(nnx.Module):
 class Encoder(nnx.Module):
   """(B, H, W, in_channels) -> (B, H/s, W/s, 2 * latent_channels): posterior mean and log-variance."""
 
-  def __init__(self, cfg: SD3VAEConfig, *, rngs):
+  def __init__(self, cfg: AutoencoderKLConfig, *, rngs):
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
     widths, groups = cfg.block_out_channels, cfg.norm_num_groups
     self.conv_in = _conv(cfg.in_channels, widths[0], 3, **kw)
@@ -226,7 +245,7 @@ class Encoder(nnx.Module):
 class Decoder(nnx.Module):
   """(B, h, w, latent_channels) -> (B, h*s, w*s, out_channels)."""
 
-  def __init__(self, cfg: SD3VAEConfig, *, rngs):
+  def __init__(self, cfg: AutoencoderKLConfig, *, rngs):
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
     widths, groups = tuple(reversed(cfg.block_out_channels)), cfg.norm_num_groups
     self.conv_in = _conv(cfg.latent_channels, widths[0], 3, **kw)
@@ -252,10 +271,10 @@ def _to_channels_first(x):
   return jnp.moveaxis(x, -1, 1)
 
 
-class SD3VAE(nnx.Module):
-  """SD3.5's AutoencoderKL: encoder, [quant_conv 1x1 2Z -> 2Z], [post_quant_conv 1x1 Z -> Z], decoder."""
+class AutoencoderKL(nnx.Module):
+  """diffusers' AutoencoderKL: encoder, [quant_conv 1x1 2Z -> 2Z], [post_quant_conv 1x1 Z -> Z], decoder."""
 
-  def __init__(self, config: SD3VAEConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: AutoencoderKLConfig, *, rngs: nnx.Rngs):
     kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
     z = config.latent_channels
     self.config = config
@@ -310,11 +329,11 @@ def sample_posterior(mean, logvar, key):
 
 
 def abstract_model(config):
-  """SD3VAE(config) from nnx.eval_shape: shapes and logical names, no weights allocated."""
-  return nnx.eval_shape(lambda: SD3VAE(config, rngs=nnx.Rngs(0)))
+  """AutoencoderKL(config) from nnx.eval_shape: shapes and logical names, no weights allocated."""
+  return nnx.eval_shape(lambda: AutoencoderKL(config, rngs=nnx.Rngs(0)))
 
 
 def num_params(config):
-  """Number of parameters of SD3VAE(config), counted on the abstract model."""
+  """Number of parameters of AutoencoderKL(config), counted on the abstract model."""
   state = nnx.state(abstract_model(config), nnx.Param)
   return sum(int(v.get_value().size) for _, v in nnx.to_flat_state(state))

@@ -1,4 +1,5 @@
-"""diffusers `AutoencoderKL` (SD3 / SD3.5 `vae/`) state dict -> `SD3VAE` parameters.
+"""diffusers `AutoencoderKL` state dict (the `vae/` of SD3 / SD3.5, FLUX.1, ...) -> `autoencoder_kl.AutoencoderKL`
+parameters.
 
 Names follow diffusers one-to-one ('.' -> '/'), except:
 - conv `weight` (O, I, kh, kw) -> `kernel` (kh, kw, I, O); attention Linear `weight` (O, I) -> `kernel` (I, O)
@@ -11,7 +12,7 @@ Every tensor is validated against `nnx.eval_shape` of the model; ONE ValueError 
 unexpected and mis-shaped keys.
 
 Usage:
-  cfg, params = load_diffusers_folder('/path/to/stable-diffusion-3.5-medium')   # or .../vae
+  cfg, params = load_diffusers_folder('/path/to/stable-diffusion-3.5-medium')   # or .../vae, or FLUX.1-dev
   model = merge_params(cfg, params)
 or, from a torch module:
   params = from_diffusers_state_dict({k: v.numpy() for k, v in vae.state_dict().items()}, cfg)
@@ -24,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from ddrl_jax.models import checked_state
-from ddrl_jax.models.sd3 import vae as vae_lib
+from ddrl_jax.models import autoencoder_kl as vae_lib
 
 WEIGHTS_NAME = 'diffusion_pytorch_model.safetensors'
 INDEX_NAME = WEIGHTS_NAME + '.index.json'
@@ -36,7 +37,7 @@ _RENAMES = (('.downsamplers.0.conv.', '.downsampler.'), ('.upsamplers.0.conv.', 
 
 
 def abstract_params(config):
-  """(abstract model, {path tuple of str: ShapeDtypeStruct}) of SD3VAE(config)'s Params."""
+  """(abstract model, {path tuple of str: ShapeDtypeStruct}) of AutoencoderKL(config)'s Params."""
   abstract = vae_lib.abstract_model(config)
   state = nnx.state(abstract, nnx.Param)
   return abstract, {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(state)}
@@ -67,7 +68,7 @@ def _transform(value, path, want_ndim):
 
 
 def from_diffusers_state_dict(state_dict, config):
-  """{diffusers key: np.ndarray} -> pure nested dict of SD3VAE(config)'s Params (host numpy, cast to
+  """{diffusers key: np.ndarray} -> pure nested dict of AutoencoderKL(config)'s Params (host numpy, cast to
   config.param_dtype), the structure of `nnx.to_pure_dict(nnx.state(model, nnx.Param))`."""
   abstract, expected = abstract_params(config)
   flat, unexpected, misshaped = {}, [], []
@@ -84,13 +85,13 @@ def from_diffusers_state_dict(state_dict, config):
     flat[path] = arr
   missing = ['/'.join(p) for p in expected if p not in flat and
              not any(m.endswith('as ' + '/'.join(p)) for m in misshaped)]
-  state = checked_state.fill_params(abstract, expected, flat, name='SD3VAE(config)', missing=missing,
+  state = checked_state.fill_params(abstract, expected, flat, name='AutoencoderKL(config)', missing=missing,
                                     unexpected=unexpected, misshaped=misshaped)
   return nnx.to_pure_dict(state)
 
 
 def merge_params(config, params):
-  """An SD3VAE(config) holding `params` (a pure dict from `from_diffusers_state_dict`), with no random init."""
+  """An AutoencoderKL(config) holding `params` (a pure dict from `from_diffusers_state_dict`), with no random init."""
   abstract = vae_lib.abstract_model(config)
   graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
   nnx.replace_by_pure_dict(state, params)
@@ -99,18 +100,19 @@ def merge_params(config, params):
 
 
 def config_from_diffusers(cfg_json, **overrides):
-  """diffusers AutoencoderKL config.json (dict) -> SD3VAEConfig; refuses what SD3VAE does not implement."""
+  """diffusers AutoencoderKL config.json (dict) -> AutoencoderKLConfig; refuses what AutoencoderKL does not
+  implement."""
   def _all(name, want):
     got = cfg_json.get(name)
     if got is not None and any(t != want for t in got):
-      raise ValueError(f'config.json {name}={got}: SD3VAE implements only {want}')
+      raise ValueError(f'config.json {name}={got}: AutoencoderKL implements only {want}')
   _all('down_block_types', 'DownEncoderBlock2D')
   _all('up_block_types', 'UpDecoderBlock2D')
   if cfg_json.get('act_fn', 'silu') != 'silu':
-    raise ValueError(f'config.json act_fn={cfg_json["act_fn"]!r}: SD3VAE implements only silu')
+    raise ValueError(f'config.json act_fn={cfg_json["act_fn"]!r}: AutoencoderKL implements only silu')
   for name in ('latents_mean', 'latents_std'):
     if cfg_json.get(name) is not None:
-      raise ValueError(f'config.json {name} is set: SD3VAE normalizes with scaling_factor/shift_factor only')
+      raise ValueError(f'config.json {name} is set: AutoencoderKL normalizes with scaling_factor/shift_factor only')
   blocks = tuple(cfg_json.get('block_out_channels', (64,)))
   for name in ('down_block_types', 'up_block_types'):
     if cfg_json.get(name) is not None and len(cfg_json[name]) != len(blocks):
@@ -126,7 +128,7 @@ def config_from_diffusers(cfg_json, **overrides):
             use_post_quant_conv=bool(cfg_json.get('use_post_quant_conv', True)),
             mid_block_add_attention=bool(cfg_json.get('mid_block_add_attention', True)))
   kw.update(overrides)
-  return vae_lib.SD3VAEConfig(**kw)
+  return vae_lib.AutoencoderKLConfig(**kw)
 
 
 def _vae_dir(path):
@@ -150,8 +152,8 @@ def read_safetensors(path, into=None):
 
 
 def load_diffusers_folder(path, **overrides):
-  """(SD3VAEConfig, pure params dict) from a diffusers pipeline folder (reads `vae/`) or a vae folder:
-  `config.json` -> config (fields of SD3VAEConfig in `overrides` win, e.g. dtype, param_dtype), and
+  """(AutoencoderKLConfig, pure params dict) from a diffusers pipeline folder (reads `vae/`) or a vae folder:
+  `config.json` -> config (fields of AutoencoderKLConfig in `overrides` win, e.g. dtype, param_dtype), and
   `diffusion_pytorch_model.safetensors` (or its sharded index) -> params cast to config.param_dtype."""
   d = _vae_dir(path)
   with open(os.path.join(d, 'config.json')) as f:
@@ -169,7 +171,7 @@ def load_diffusers_folder(path, **overrides):
 
 
 def load_model(path, **overrides):
-  """SD3VAE with the weights of a diffusers folder (see `load_diffusers_folder`)."""
+  """AutoencoderKL with the weights of a diffusers folder (see `load_diffusers_folder`)."""
   cfg, params = load_diffusers_folder(path, **overrides)
   return merge_params(cfg, params)
 

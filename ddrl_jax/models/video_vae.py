@@ -1,4 +1,8 @@
-"""Wan2.1 video VAE (the Cosmos-Predict2.5 tokenizer) in Flax NNX.
+"""The Wan2.1 causal video VAE in Flax NNX, shared by the families that use it: Wan2.1 ('wan',
+models/wan/family.py) and Cosmos-Predict2.5 ('cosmos', whose tokenizer it is; models/cosmos/family.py).
+It lives here rather than in a family's folder because families import no other family's folder.
+`video_vae_convert` reads its weights (diffusers `AutoencoderKLWan`, or the original `Wan2.1_VAE.pth` /
+Cosmos `tokenizer.pth` names).
 
 Public layout follows diffusers `AutoencoderKLWan`: video (B, 3, F, H, W) in [-1, 1] with F = 1 + 4k,
 latent (B, Z, 1 + k, H/8, W/8) with Z = 16 for the released weights. Internally every tensor is
