@@ -73,7 +73,7 @@ class KernelMismatch(ValueError):
 
 
 def _define_flags():
-  global _CONFIG, _TOPOLOGY, _NUM_SLICES, _OUT, _FNS, _MARGIN, _LOWER_ONLY, _SEARCH
+  global _CONFIG, _TOPOLOGY, _NUM_SLICES, _OUT, _FNS, _MARGIN, _LOWER_ONLY, _SEARCH, _HBM_GIB
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (get_config(arg)).',
                                             lock_config=True)
   _TOPOLOGY = flags.DEFINE_string('topology', None, "A TPU slice (e.g. v5p-512) or 'cpu-N'.")
@@ -82,6 +82,8 @@ def _define_flags():
   _FNS = flags.DEFINE_list('fns', [], f'Functions to compile, of {ALL_FUNCTIONS}; default: {FUNCTIONS}, '
                            f'and {TEXT_ENCODER!r} when the task runs a text encoder on the devices.')
   _MARGIN = flags.DEFINE_float('margin', 0.0, 'Fail unless this fraction of HBM stays free.')
+  _HBM_GIB = flags.DEFINE_float('hbm_gib', 0.0, 'Judge fits against this many GiB per chip instead of '
+                                'the slice\'s HBM (a proxy: e.g. 72 for an 80 GB H100 on v5p-16\'s 8 chips).')
   _SEARCH = flags.DEFINE_bool('search_micro_batch', False, 'Find the largest config.micro_batch whose '
                               'step fits with --margin to spare (module docstring).')
   _LOWER_ONLY = flags.DEFINE_bool('lower_only', False, 'Only lower each function and report the attention '
@@ -169,19 +171,20 @@ def network_passes(config, fn, remat):
 
 
 def compile_report(config, topology, num_slices=1, fns=None, compiler_options=None, lower_only=False,
-                   devices=None, memory_bytes=None):
+                   devices=None, memory_bytes=None, hbm_bytes=None):
   """Compiles `fns` for `topology`; yields one dict per function (see the module docstring). fns: of
   ALL_FUNCTIONS; None: FUNCTIONS, and TEXT_ENCODER when the task runs a text encoder on the devices. With
   `lower_only`, stops after lowering: fn, topology, mesh, attention, attention_family, lower_s.
   devices: compile for these (attached) devices instead of `topology` (the trainer's step-memory check),
-  each with `memory_bytes` of memory (None: unknown, no `fits`)."""
+  each with `memory_bytes` of memory (None: unknown, no `fits`). hbm_bytes: judge `fits` against this
+  instead of the topology's HBM (a proxy for another chip: the compile is still the topology's)."""
   # The config and the task are checked before libtpu loads: a mistake is one line, found in a second.
   task = tasks.get_task(config)
   task.require('aot')
   if devices is None:
     config_lib.validate(config, topology_lib.num_devices(topology, num_slices))
     devices = topology_lib.topology_devices(topology, num_slices)
-    hbm = topology_lib.hbm_bytes(topology)
+    hbm = hbm_bytes or topology_lib.hbm_bytes(topology)
   else:
     config_lib.validate(config, len(devices))
     topology = topology or f'{devices[0].platform}-{len(devices)}'
@@ -328,7 +331,7 @@ def _search_main():
   """--search_micro_batch: every candidate's rows, then {"micro_batch": the answer or null}."""
   best, out = None, open(_OUT.value, 'a') if _OUT.value else None
   for micro, rows in search_micro_batch(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _MARGIN.value,
-                                        _FNS.value or None):
+                                        _FNS.value or None, hbm_bytes=_hbm_override()):
     for row in rows:
       print(json.dumps(row), flush=True)
       if out:
@@ -341,6 +344,10 @@ def _search_main():
     out.close()
   if best is None:
     sys.exit(1)
+
+
+def _hbm_override():
+  return int(_HBM_GIB.value * 2**30) if _HBM_GIB.value else None
 
 
 def main(argv):
@@ -362,7 +369,7 @@ def main(argv):
   out = open(_OUT.value, 'a') if _OUT.value else None
   try:
     for row in compile_report(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _FNS.value or None,
-                              lower_only=_LOWER_ONLY.value):
+                              lower_only=_LOWER_ONLY.value, hbm_bytes=_hbm_override()):
       line = json.dumps(row)
       print(line, flush=True)
       if out:

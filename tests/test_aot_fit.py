@@ -1,0 +1,68 @@
+"""benchmarks/aot_fit.py: a compiler crash is its own outcome (not a fit, not an out-of-memory verdict)
+and the sweep goes on; the bisection finds the largest fitting micro-batch; rows are reused on resume."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
+import aot_fit  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def test_outcomes_tell_a_crash_from_an_oom_from_a_fit(monkeypatch):
+  monkeypatch.setattr(aot_fit, 'mesh_overrides', lambda recipe, topology: [])
+  answers = iter([types.SimpleNamespace(returncode=-11, stdout='', stderr=''),
+                  types.SimpleNamespace(returncode=0, stderr='', stdout=json.dumps(dict(
+                      fn='update', fits=False, error='RESOURCE_EXHAUSTED: Ran out of memory')) + '\n'),
+                  types.SimpleNamespace(returncode=0, stderr='', stdout=json.dumps(dict(
+                      fn='update', fits=True, peak_bytes=5, spare_fraction=0.5)) + '\n')])
+  monkeypatch.setattr(subprocess, 'run', lambda *a, **k: next(answers))
+  crash, oom, fit = (aot_fit.compile_one('r', 'v5p-8', 'update', 0, 0.0, 10) for _ in range(3))
+  assert crash['outcome'] == 'libtpu_crash' and crash['fits'] is None and 'signal 11' in crash['error']
+  assert oom['outcome'] == 'oom' and fit['outcome'] == 'fits'
+  assert aot_fit.outcome_of(dict(fits=False, peak_bytes=10)) == 'over'
+
+
+def _sweep(tmp_path, monkeypatch, fits_at_or_below, crash_above=None):
+  """A Sweep whose compiles fit for micro-batches <= fits_at_or_below (0, the whole batch, counts as
+  the largest), crash above crash_above; returns (sweep, the compiles it ran)."""
+  ran = []
+
+  def compile_one(recipe, topology, fn, micro, hbm_gib, timeout_s):
+    ran.append((micro, fn))
+    size = 1 << 20 if micro == 0 else micro
+    if crash_above is not None and size > crash_above:
+      return dict(fn=fn, topology=topology, fits=None, outcome='libtpu_crash', error='signal 11')
+    ok = size <= fits_at_or_below
+    return dict(fn=fn, topology=topology, fits=ok, peak_bytes=size, spare_fraction=0.5 if ok else -1.0,
+                outcome='fits' if ok else 'over')
+  monkeypatch.setattr(aot_fit, 'compile_one', compile_one)
+  monkeypatch.setattr(aot_fit, 'candidates', lambda recipe, topology: [144, 72, 48, 36, 24, 18, 16, 12, 9, 8,
+                                                                       6, 4, 3, 2, 1])
+  args = types.SimpleNamespace(out=str(tmp_path / 'rows.jsonl'), hbm_gib=0.0, margin=0.1, timeout_s=1)
+  return aot_fit.Sweep(args), ran, args
+
+
+def test_bisection_finds_the_largest_fitting_micro_batch_and_a_crash_does_not_stop_it(tmp_path, monkeypatch):
+  sweep, ran, _ = _sweep(tmp_path, monkeypatch, fits_at_or_below=16, crash_above=36)
+  assert sweep.best_micro_batch('r', 'v5p-8') == 16
+  assert len({m for m, _ in ran}) <= 5                     # the whole batch plus a bisection, not 15
+  assert any(r['outcome'] == 'libtpu_crash' for r in sweep.rows)
+  report = aot_fit.report(sweep.rows, 0.1)
+  assert '| r | v5p-8 | HBM | 16 |' in report and 'libtpu_crash' in report
+
+
+def test_a_resumed_sweep_compiles_nothing_twice(tmp_path, monkeypatch):
+  sweep, ran, args = _sweep(tmp_path, monkeypatch, fits_at_or_below=4)
+  assert sweep.best_micro_batch('r', 'v5p-8') == 4
+  first = len(ran)
+  again = aot_fit.Sweep(args)
+  assert again.best_micro_batch('r', 'v5p-8') == 4 and len(ran) == first
+
+
+def test_nothing_fits_gives_none(tmp_path, monkeypatch):
+  sweep, _, _ = _sweep(tmp_path, monkeypatch, fits_at_or_below=0)
+  assert sweep.best_micro_batch('r', 'v5p-8') is None
