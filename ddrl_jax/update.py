@@ -283,9 +283,10 @@ def combine_metrics(metrics, data_metrics, config):
   return metrics
 
 
-def make_train_step(apply_fn, sampler, config, optimizer, cast_params=None):
-  """The fused pure update (state, rollout, data, key) -> (state, metrics); jit with `jit_train_step`."""
-  data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer, cast_params)
+def make_train_step(apply_fn, sampler, config, optimizer, cast_params=None, batch_shards=1):
+  """The fused pure update (state, rollout, data, key) -> (state, metrics); jit with `jit_train_step`.
+  batch_shards: the mesh's data-parallel size (where config.micro_batch chunks the slots)."""
+  data_grads, update = make_update_fns(apply_fn, sampler, config, optimizer, cast_params, batch_shards)
 
   def train_step(state, rollout, data, key):
     grads, data_metrics = data_grads(model_params(state), rollout, data, key)

@@ -274,11 +274,14 @@ def _device_bytes(tree, device):
   return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
 
 
-@pytest.mark.parametrize('mesh', [dict(data=2, fsdp=2, context=2), dict(data=1, fsdp=4, context=2)])
-def test_sharded_ddrl_update_equals_one_device(mesh):
+@pytest.mark.parametrize('mesh,micro', [(dict(data=2, fsdp=2, context=2), 0), (dict(data=1, fsdp=4, context=2), 0),
+                                        (dict(data=2, fsdp=2, context=2), 1)])
+def test_sharded_ddrl_update_equals_one_device(mesh, micro):
   """One fused DDRL step of the tiny DiT (FSDP parameters, Ulysses self-attention over 2 context
   devices, sequence-sharded activations) equals the same step on one device: the parameter update, the
-  Adam moments and the metrics, with each FSDP device holding 1/fsdp of the parameters."""
+  Adam moments and the metrics, with each FSDP device holding 1/fsdp of the parameters. With micro = 1
+  the sharded step runs its 8 slots as 2 micro-batches of one slot per data-parallel position (the one
+  device's step runs them at once)."""
   config = cosmos2b.get_config('smoke')
   config.sharding.context_impl = 'ulysses'
   # A full learning rate from the first step (no warmup) and Adam's eps near the gradients' size, so the
@@ -290,16 +293,19 @@ def test_sharded_ddrl_update_equals_one_device(mesh):
   rng = np.random.RandomState(3)
   params = jax.tree.map(lambda p: p * (1 + 1e-3 * jnp.asarray(rng.randn(*p.shape), jnp.float32)), params)
   b, n = traj.x0.shape[:2]
+  config.batch_size, config.num_rollouts = b, n
   rewards = jnp.asarray(np.random.RandomState(2).rand(b, n), jnp.float32)
   flat = trainer_lib.flat_rollout_batch(traj, rewards, cond)
   data = trainer_lib.DataBatch(x0=x0, cond=cond)
   optimizer = optim.make_optimizer(config.optim)
-  step_fn = trainer_lib.make_train_step(apply_fn, sampler, config, optimizer, task.cast_params)
   key = jax.random.key(7)
   results, texts = {}, {}
   for devices, sizes in ((jax.devices()[:1], dict(data=1, fsdp=1, context=1)), (jax.devices(), mesh)):
     config.mesh.update(sizes)
+    config.micro_batch = micro if len(devices) == 8 else 0
     plan = parallel.ShardingPlan.from_config(config, parallel.make_mesh(config.mesh, devices))
+    step_fn = trainer_lib.make_train_step(apply_fn, sampler, config, optimizer, task.cast_params,
+                                          batch_shards=parallel.data_parallel_size(plan.mesh))
     state = trainer_lib.init_train_state(jax.tree.map(jnp.copy, params), config, optimizer)
     state_sh = plan.state(jax.eval_shape(lambda s: s, state), optimizer)
     fn = trainer_lib.jit_train_step(step_fn, plan, state_sh)
