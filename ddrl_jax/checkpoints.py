@@ -14,8 +14,9 @@ import os
 INTEGRITY = 'ddrl_integrity.json'
 
 # Keys a resumed run may change: budgets, logging, the learning-rate schedule, reward-service plumbing,
-# data-loader parallelism, the mesh and its sharding rules (checkpoints restore onto any topology) and the
-# pretraining section (not read by the RL run). Where a model family's initial weights came from (read only
+# data-loader parallelism, the mesh and its sharding rules (checkpoints restore onto any topology), the
+# micro-batch (the same update in chunks: memory, not math) and the pretraining section (not read by the RL
+# run). Where a model family's initial weights came from (read only
 # when starting from step 0) is safe too: the family names those keys (`resume_safe_keys`) and the caller
 # passes them as `extra_safe`.
 SAFE_TO_CHANGE = (
@@ -26,7 +27,7 @@ SAFE_TO_CHANGE = (
     'reward.workers', 'reward.chunk_size', 'reward.chunk_timeout_s', 'reward.timeout_s',
     'reward.max_failed_batches', 'reward.backend', 'reward.redis_url', 'reward.token_env',
     'reward.retries', 'reward.task_ttl_s', 'data.worker_count', 'data.skip_bad', 'mesh.', 'sharding.',
-    'require_inputs', 'reward.no_server_grace_s', 'skip_memory_check')
+    'require_inputs', 'reward.no_server_grace_s', 'skip_memory_check', 'micro_batch')
 
 
 # Keys added after checkpoints were first written, with the value that reproduces how those runs
@@ -37,7 +38,7 @@ ADDED_KEY_DEFAULTS = {
     'lora.rank': 0, 'model_family': '', 'sampler.eval_num_steps': 0, 'sampler.eval_deterministic': False,
     'eval_videos': 4, 'eval_video_fps': 8,   # logging only (SAFE_TO_CHANGE): today's defaults
     'require_inputs': False, 'skip_memory_check': False,
-    'data.base_samples': 0, 'data.base_samples_dir': '',
+    'data.base_samples': 0, 'data.base_samples_dir': '', 'micro_batch': 0,
 }
 
 
