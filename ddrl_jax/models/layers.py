@@ -1,6 +1,8 @@
 """Layers and pure functions every model family shares: the dense layer (with optional LoRA adapters), RMSNorm,
-the remat policies, RoPE's rotation, timestep sinusoids, video patchify, exact GELU, LayerNorm, and the
-compute-dtype cast of a model's parameters.
+the remat policies, RoPE's rotations (half-split and interleaved pairs), timestep sinusoids, video patchify,
+exact and tanh GELU, LayerNorm, the compute-dtype cast of a model's parameters, and the parts of the
+two-stream (image, text) DiTs (SD3's MMDiT, FLUX): the activation logical names and rules, adaLN modulation,
+the tanh-GELU feed-forward, and the timestep and pooled-text embedders.
 
 `Dense` is the one linear layer of ddrl_jax's models. It is `nnx.Linear` (same parameters `kernel` (din,
 dout) and `bias` (dout,), same result) applied to (..., din) as one (prod(...), din) matrix, and it
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ddrl_jax.parallel.plan import constrain
 from ddrl_jax.parallel.plan import tokens_mergeable
 
 
@@ -106,6 +109,16 @@ def apply_rope(x, cos, sin):
   return (xf * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
+def apply_rope_interleaved(x, cos, sin):
+  """x (B, S, N, Hd), cos/sin (S, Hd/2): rotates the pairs (x[2j], x[2j+1]) by angle j, in float32."""
+  xf = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+  x1, x2 = xf[..., 0], xf[..., 1]
+  # cos/sin broadcast over batch and heads
+  c, s = cos[:, None], sin[:, None]
+  out = jnp.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+  return out.reshape(x.shape).astype(x.dtype)
+
+
 def patchify(x, patch):
   """(B, C, T, H, W) -> (B, T', H', W', C*pt*ph*pw), feature index c*pt*ph*pw + r*ph*pw + m*pw + n."""
   b, c, t, h, w = x.shape
@@ -130,6 +143,13 @@ def gelu(x):
   branches; erf is a polynomial there, and the two agree to float32 round-off."""
   xf = x.astype(jnp.float32)     # in bf16, 1 + erf(x / sqrt 2) cancels for x < 0
   return (0.5 * xf * (1.0 + jax.lax.erf(xf * math.sqrt(0.5)))).astype(x.dtype)
+
+
+def gelu_tanh(x):
+  """torch's GELU(approximate='tanh'), 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in float32."""
+  xf = x.astype(jnp.float32)
+  inner = math.sqrt(2.0 / math.pi) * (xf + 0.044715 * xf * xf * xf)
+  return (0.5 * xf * (1.0 + jnp.tanh(inner))).astype(x.dtype)
 
 
 def layer_norm(x, eps):
@@ -161,3 +181,101 @@ def compute_cast_fn(model):
     return a.astype(cast[keys]) if keys in cast else a
 
   return lambda params: jax.tree_util.tree_map_with_path(leaf, params)
+
+
+# ------------------------------------------------------------ the two-stream (image, text) DiTs' shared parts
+# SD3's MMDiT (sd3/mmdit.py) and FLUX.1's transformer (flux/transformer.py) keep image and text tokens in
+# separate residual streams; these are the pieces both build from. Shapes: B batch, S image tokens, L text
+# tokens, D = cfg.inner_dim model width, N heads, Hd head dim. `cfg` is the family's config: it provides
+# inner_dim, dtype, param_dtype and (TextProjection) pooled_projection_dim.
+
+# Logical names of activations (no-ops without a sharding plan).
+IMAGE_NAMES = ('act_batch', 'act_seq', 'act_embed')                  # (B, S, D) image residual
+TEXT_NAMES = ('act_batch', 'act_text', 'act_embed')                  # (B, L, D) text residual
+IMAGE_QKV_NAMES = ('act_batch', 'act_seq', 'act_heads', 'act_kv')    # (B, S, N, Hd)
+TEXT_QKV_NAMES = ('act_batch', 'act_text', 'act_heads', 'act_kv')    # (B, L, N, Hd)
+
+# Every logical name the two-stream DiTs use -> mesh axes (the format of parallel/rules.DEFAULT_RULES); a
+# family's LOGICAL_RULES starts from it. The names shared with the Cosmos DiT keep their DEFAULT_RULES
+# values; 'modulation' and 'pooled' are new.
+JOINT_DIT_LOGICAL_RULES = {
+    'layers': '',              # the stacked-blocks axis (scanned over: never sharded)
+    'embed': 'fsdp',           # model width D
+    'cross_embed': 'fsdp',     # joint_attention_dim, the raw text-sequence width (4096) into context_embedder
+    'pooled': 'fsdp',          # pooled_projection_dim (2048) into time_text_embed.text_embedder
+    'heads': 'tensor',         # N * Hd of q/k/v/out (image and text projections)
+    'mlp': 'tensor',           # MLP hidden (4D)
+    'kv': '',                  # per-head q/k RMSNorm scales (Hd)
+    'modulation': '',          # adaLN outputs: 6D / 9D (norm1), 6D / 2D (norm1_context), 2D (norm_out)
+    'act_batch': 'data,fsdp',
+    'act_seq': 'context',      # image tokens S (row-major)
+    'act_text': '',            # text tokens L (replicated over context: parallel.plan.joint_attention)
+    'act_embed': '',
+    'act_heads': 'tensor',
+    'act_kv': '',
+    'act_mlp': 'tensor',
+}
+
+TIME_FREQ_DIM = 256     # diffusers' Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)
+
+
+def _biased_dense(din, dout, names, rngs, dtype, cfg):
+  """A biased Dense (every Linear of SD3 and FLUX has a bias) with logical names on kernel and bias."""
+  return dense(din, dout, names, rngs, dtype=dtype, param_dtype=cfg.param_dtype, bias=True)
+
+
+class AdaLNModulation(nnx.Module):
+  """float32 Linear(D -> n*D) of SiLU(temb), split into n chunks (B, 1, D): the `linear` of diffusers'
+  AdaLayerNormZero (n=6: shift, scale, gate, shift_mlp, scale_mlp, gate_mlp), SD35AdaLayerNormZeroX
+  (n=9: ... then shift2, scale2, gate2) and AdaLayerNormContinuous (n=2: scale, shift)."""
+
+  def __init__(self, cfg, n, rngs):
+    self.n = n
+    self.linear = _biased_dense(cfg.inner_dim, n * cfg.inner_dim, ('embed', 'modulation'), rngs, jnp.float32,
+                                cfg)
+
+  def __call__(self, temb_act):
+    """temb_act (B, D) = SiLU(temb) -> n arrays (B, 1, D) float32."""
+    mod = self.linear(temb_act.astype(jnp.float32))
+    return [m[:, None] for m in jnp.split(mod, self.n, axis=-1)]
+
+
+class FeedForward(nnx.Module):
+  """diffusers' FeedForward('gelu-approximate'): proj_in (D -> 4D, `net.0.proj`), tanh-GELU, proj_out
+  (4D -> D, `net.2`)."""
+
+  def __init__(self, cfg, rngs):
+    d = cfg.inner_dim
+    self.proj_in = _biased_dense(d, 4 * d, ('embed', 'mlp'), rngs, cfg.dtype, cfg)
+    self.proj_out = _biased_dense(4 * d, d, ('mlp', 'embed'), rngs, cfg.dtype, cfg)
+
+  def __call__(self, x, seq_name):
+    """x (B, T, D) -> (B, T, D); seq_name the logical name of the T tokens ('act_seq' or 'act_text')."""
+    hidden = constrain(self.proj_in(x), ('act_batch', seq_name, 'act_mlp'))
+    return self.proj_out(gelu_tanh(hidden))
+
+
+class TimestepEmbedding(nnx.Module):
+  """float32 linear_1 (256 -> D), SiLU, linear_2 (D -> D) on the timestep sinusoid."""
+
+  def __init__(self, cfg, rngs):
+    d = cfg.inner_dim
+    self.linear_1 = _biased_dense(TIME_FREQ_DIM, d, (None, 'embed'), rngs, jnp.float32, cfg)
+    self.linear_2 = _biased_dense(d, d, ('embed', None), rngs, jnp.float32, cfg)
+
+  def __call__(self, x):
+    """x (B, 256) sinusoid -> (B, D) float32."""
+    return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class TextProjection(nnx.Module):
+  """float32 linear_1 (pooled -> D), SiLU, linear_2 (D -> D) (diffusers' PixArtAlphaTextProjection)."""
+
+  def __init__(self, cfg, rngs):
+    d = cfg.inner_dim
+    self.linear_1 = _biased_dense(cfg.pooled_projection_dim, d, ('pooled', 'embed'), rngs, jnp.float32, cfg)
+    self.linear_2 = _biased_dense(d, d, ('embed', None), rngs, jnp.float32, cfg)
+
+  def __call__(self, x):
+    """x (B, pooled_projection_dim) float32 -> (B, D) float32."""
+    return self.linear_2(jax.nn.silu(self.linear_1(x)))

@@ -45,8 +45,18 @@ from flax import nnx
 
 from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import layers
+from ddrl_jax.models.layers import IMAGE_NAMES
+from ddrl_jax.models.layers import IMAGE_QKV_NAMES
+from ddrl_jax.models.layers import JOINT_DIT_LOGICAL_RULES
 from ddrl_jax.models.layers import REMAT_POLICIES
+from ddrl_jax.models.layers import TEXT_NAMES
+from ddrl_jax.models.layers import TEXT_QKV_NAMES
+from ddrl_jax.models.layers import TIME_FREQ_DIM
+from ddrl_jax.models.layers import AdaLNModulation
+from ddrl_jax.models.layers import FeedForward
 from ddrl_jax.models.layers import RMSNorm
+from ddrl_jax.models.layers import TextProjection
+from ddrl_jax.models.layers import TimestepEmbedding
 from ddrl_jax.models.layers import layer_norm
 from ddrl_jax.models.layers import patchify
 from ddrl_jax.models.layers import unpatchify
@@ -54,33 +64,10 @@ from ddrl_jax.parallel.plan import constrain
 from ddrl_jax.parallel.plan import joint_attention as plan_joint_attention
 from ddrl_jax.parallel.plan import self_attention
 
-# Logical names of activations (no-ops without a sharding plan).
-IMAGE_NAMES = ('act_batch', 'act_seq', 'act_embed')                  # (B, S, D) image residual
-TEXT_NAMES = ('act_batch', 'act_text', 'act_embed')                  # (B, L, D) text residual
-IMAGE_QKV_NAMES = ('act_batch', 'act_seq', 'act_heads', 'act_kv')    # (B, S, N, Hd)
-TEXT_QKV_NAMES = ('act_batch', 'act_text', 'act_heads', 'act_kv')    # (B, L, N, Hd)
+# Every logical name this module uses -> mesh axes (the format of parallel/rules.DEFAULT_RULES): the
+# two-stream DiTs' vocabulary (layers.JOINT_DIT_LOGICAL_RULES), which SD3's names define.
+LOGICAL_RULES = dict(JOINT_DIT_LOGICAL_RULES)
 
-# Every logical name this module uses -> mesh axes (the format of parallel/rules.DEFAULT_RULES). The names
-# shared with the Cosmos DiT keep their DEFAULT_RULES values; 'modulation' and 'pooled' are new.
-LOGICAL_RULES = {
-    'layers': '',              # the stacked-blocks axis (scanned over: never sharded)
-    'embed': 'fsdp',           # model width D
-    'cross_embed': 'fsdp',     # joint_attention_dim, the raw text-sequence width (4096) into context_embedder
-    'pooled': 'fsdp',          # pooled_projection_dim (2048) into time_text_embed.text_embedder
-    'heads': 'tensor',         # N * Hd of q/k/v/out (image and text projections)
-    'mlp': 'tensor',           # MLP hidden (4D)
-    'kv': '',                  # per-head q/k RMSNorm scales (Hd)
-    'modulation': '',          # adaLN outputs: 6D / 9D (norm1), 6D / 2D (norm1_context), 2D (norm_out)
-    'act_batch': 'data,fsdp',
-    'act_seq': 'context',      # image tokens S (row-major)
-    'act_text': '',            # text tokens L (replicated over context: parallel.plan.joint_attention)
-    'act_embed': '',
-    'act_heads': 'tensor',
-    'act_kv': '',
-    'act_mlp': 'tensor',
-}
-
-TIME_FREQ_DIM = 256     # diffusers' Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)
 NORM_EPS = 1e-6         # every LayerNorm and q/k RMSNorm of the SD3 transformer
 QK_NORMS = (None, 'rms_norm')
 
@@ -256,13 +243,6 @@ def time_sinusoid(t, dim=TIME_FREQ_DIM):
   return layers.timestep_sinusoid(t, dim)
 
 
-def gelu_tanh(x):
-  """torch's GELU(approximate='tanh'), 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in float32."""
-  xf = x.astype(jnp.float32)
-  inner = math.sqrt(2.0 / math.pi) * (xf + 0.044715 * xf * xf * xf)
-  return (0.5 * xf * (1.0 + jnp.tanh(inner))).astype(x.dtype)
-
-
 def joint_attention(q_img, k_img, v_img, q_txt, k_txt, v_txt, cfg):
   """SD3's joint attention: full attention over the concatenated [image, text] tokens.
 
@@ -288,35 +268,6 @@ def _qk_norm(cfg):
   if cfg.qk_norm == 'rms_norm':
     return RMSNorm(cfg.attention_head_dim, 'kv', NORM_EPS, cfg.param_dtype)
   return nnx.data(None)
-
-
-class AdaLNModulation(nnx.Module):
-  """float32 Linear(D -> n*D) of SiLU(temb), split into n chunks (B, 1, D): the `linear` of diffusers'
-  AdaLayerNormZero (n=6: shift, scale, gate, shift_mlp, scale_mlp, gate_mlp), SD35AdaLayerNormZeroX
-  (n=9: ... then shift2, scale2, gate2) and AdaLayerNormContinuous (n=2: scale, shift)."""
-
-  def __init__(self, cfg, n, rngs):
-    self.n = n
-    self.linear = _dense(cfg.inner_dim, n * cfg.inner_dim, ('embed', 'modulation'), rngs, jnp.float32, cfg)
-
-  def __call__(self, temb_act):
-    """temb_act (B, D) = SiLU(temb) -> n arrays (B, 1, D) float32."""
-    mod = self.linear(temb_act.astype(jnp.float32))
-    return [m[:, None] for m in jnp.split(mod, self.n, axis=-1)]
-
-
-class FeedForward(nnx.Module):
-  """diffusers' FeedForward('gelu-approximate'): proj_in (D -> 4D, `net.0.proj`), tanh-GELU, proj_out
-  (4D -> D, `net.2`)."""
-
-  def __init__(self, cfg, rngs):
-    d = cfg.inner_dim
-    self.proj_in = _dense(d, 4 * d, ('embed', 'mlp'), rngs, cfg.dtype, cfg)
-    self.proj_out = _dense(4 * d, d, ('mlp', 'embed'), rngs, cfg.dtype, cfg)
-
-  def __call__(self, x, seq_name):
-    hidden = constrain(self.proj_in(x), ('act_batch', seq_name, 'act_mlp'))
-    return self.proj_out(gelu_tanh(hidden))
 
 
 class Attention(nnx.Module):
@@ -429,30 +380,6 @@ class PatchEmbed(nnx.Module):
     p = self.cfg.patch_size
     tokens = patchify(x[:, :, None].astype(self.cfg.dtype), (1, p, p)).reshape(b, (h // p) * (w // p), -1)
     return self.proj(tokens).astype(jnp.float32) + jnp.asarray(pos_embed_crop(self.cfg, h // p, w // p))
-
-
-class TimestepEmbedding(nnx.Module):
-  """float32 linear_1 (256 -> D), SiLU, linear_2 (D -> D) on the timestep sinusoid."""
-
-  def __init__(self, cfg, rngs):
-    d = cfg.inner_dim
-    self.linear_1 = _dense(TIME_FREQ_DIM, d, (None, 'embed'), rngs, jnp.float32, cfg)
-    self.linear_2 = _dense(d, d, ('embed', None), rngs, jnp.float32, cfg)
-
-  def __call__(self, x):
-    return self.linear_2(jax.nn.silu(self.linear_1(x)))
-
-
-class TextProjection(nnx.Module):
-  """float32 linear_1 (pooled -> D), SiLU, linear_2 (D -> D) (diffusers' PixArtAlphaTextProjection)."""
-
-  def __init__(self, cfg, rngs):
-    d = cfg.inner_dim
-    self.linear_1 = _dense(cfg.pooled_projection_dim, d, ('pooled', 'embed'), rngs, jnp.float32, cfg)
-    self.linear_2 = _dense(d, d, ('embed', None), rngs, jnp.float32, cfg)
-
-  def __call__(self, x):
-    return self.linear_2(jax.nn.silu(self.linear_1(x)))
 
 
 class TimeTextEmbed(nnx.Module):

@@ -38,6 +38,7 @@ from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import layers
 from ddrl_jax.models.layers import REMAT_POLICIES
 from ddrl_jax.models.layers import RMSNorm
+from ddrl_jax.models.layers import apply_rope_interleaved
 from ddrl_jax.models.layers import compute_cast_fn  # noqa: F401  pylint: disable=unused-import
 from ddrl_jax.models.layers import layer_norm
 from ddrl_jax.models.layers import patchify
@@ -155,16 +156,6 @@ def rope_cos_sin(config, t, h, w):
       np.broadcast_to(aw[None, None, :], (t, h, w, aw.shape[-1])),
   ], axis=-1).reshape(t * h * w, -1)
   return jnp.asarray(np.cos(grid), jnp.float32), jnp.asarray(np.sin(grid), jnp.float32)
-
-
-def apply_rope_interleaved(x, cos, sin):
-  """x (B, S, N, Hd), cos/sin (S, Hd/2): rotates the pairs (x[2j], x[2j+1]) by angle j, in float32."""
-  xf = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
-  x1, x2 = xf[..., 0], xf[..., 1]
-  # cos/sin broadcast over batch and heads
-  c, s = cos[:, None], sin[:, None]
-  out = jnp.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
-  return out.reshape(x.shape).astype(x.dtype)
 
 
 def unpatchify_thwc(y, patch, channels):
