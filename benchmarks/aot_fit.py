@@ -36,7 +36,8 @@ FUNCTIONS = ('rollout', 'data_grads', 'update')
 RECIPES = ('configs/sd35m.py:ddrl', 'configs/sd35m.py:flow_grpo', 'configs/sd35m.py:diffusion_nft',
            'configs/wan1_3b.py:ddrl', 'configs/wan1_3b.py:flow_grpo', 'configs/wan1_3b.py:dance_grpo',
            'configs/wan14b.py:ddrl', 'configs/wan14b.py:flow_grpo', 'configs/wan14b.py:dance_grpo',
-           'configs/cosmos2b.py', 'configs/cosmos14b.py')
+           'configs/cosmos2b.py', 'configs/cosmos14b.py', 'configs/flux1_dev.py:flow_grpo',
+           'configs/flux1_dev.py:dance_grpo', 'configs/flux1_dev.py:ddrl')
 SLICES = ('v5p-8', 'v5p-16', 'v5p-32', 'v5p-64', 'v5p-128', 'v5p-256', 'v5p-512', 'v5p-1024', 'v5p-2048')
 H100_SLICE, H100_GIB = 'v5p-16', 72.0
 

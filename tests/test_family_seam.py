@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from configs import cosmos2b
+from configs import flux1_dev
 from configs import ocr_tiny
 from configs import sd35m
 from configs import toy2d
@@ -124,7 +125,8 @@ def test_no_task_attribute_probing(path):
 
 
 CONFIGS = {'cosmos': lambda: cosmos2b.get_config('smoke'), 'cosmos_t2i': ocr_tiny.get_config,
-           'mlp': toy2d.get_config, 'sd3': lambda: sd35m.get_config('flow_grpo_smoke'), 'wan': lambda: wan1_3b.get_config('flow_grpo_smoke')}
+           'mlp': toy2d.get_config, 'sd3': lambda: sd35m.get_config('flow_grpo_smoke'), 'wan': lambda: wan1_3b.get_config('flow_grpo_smoke'),
+           'flux': lambda: flux1_dev.get_config('flow_grpo_smoke')}
 SAMPLE_SHAPES = {'wan': (16, 2, 4, 4)}
 
 
@@ -195,4 +197,5 @@ def test_unsupported_ability_names_the_task():
 def test_converters_come_from_the_families():
   assert set(family_lib.converters()) == {'cosmos2b', 'cosmos14b', 'cosmos_tiny', 'wan21_vae', 'wan_tiny',
                                           'sd35_medium', 'sd35_large', 'sd3_tiny', 'sd35_vae',
-                                          'sd3_vae_tiny', 'wan1_3b', 'wan14b', 'wan_dit_tiny'}
+                                          'sd3_vae_tiny', 'wan1_3b', 'wan14b', 'wan_dit_tiny', 'flux1_dev',
+                                          'flux1_schnell', 'flux_tiny', 'flux1_vae', 'flux_vae_tiny'}

@@ -93,10 +93,12 @@ def test_shape_flags_are_checked(gpu_step):
 
 
 @pytest.mark.slow
-def test_another_family_runs_through_config(gpu_step, capsys):
-  """--config takes any family's recipe (SD3.5 with LoRA: adapters trained, the base frozen)."""
-  report = gpu_step.main(['--config=configs/sd35m.py:flow_grpo_smoke', '--tiny', '--iterations=1'])
+@pytest.mark.parametrize('spec,family', [('configs/sd35m.py:flow_grpo_smoke', 'sd3'),
+                                         ('configs/flux1_dev.py:flow_grpo_smoke', 'flux')])
+def test_another_family_runs_through_config(gpu_step, capsys, spec, family):
+  """--config takes any family's recipe (SD3.5 and FLUX with LoRA: adapters trained, the base frozen)."""
+  report = gpu_step.main([f'--config={spec}', '--tiny', '--iterations=1'])
   capsys.readouterr()
   assert 'error' not in report, report.get('error')
-  assert report['shape']['family'] == 'sd3' and report['shape']['lora_rank'] == 4
+  assert report['shape']['family'] == family and report['shape']['lora_rank'] == 4
   assert report['loss_finite'] and report['time_iteration_s'] > 0

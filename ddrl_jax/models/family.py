@@ -32,12 +32,13 @@ FAMILIES = {
     'cosmos': 'ddrl_jax.models.cosmos.family',          # Cosmos-Predict2.5 DiT (video, frame replacement)
     'cosmos_t2i': 'ddrl_jax.models.cosmos.family',      # the DiT on one frame with a byte text encoder
     'mlp': 'ddrl_jax.models.mlp',                        # the 2-D velocity MLP of the toy task
+    'flux': 'ddrl_jax.models.flux.family',               # FLUX.1 double/single-stream DiT (FluxTransformer2DModel)
     'sd3': 'ddrl_jax.models.sd3.family',                 # SD3 / SD3.5 MMDiT (diffusers SD3Transformer2DModel)
     'wan': 'ddrl_jax.models.wan.family',                 # Wan2.1 text-to-video DiT (WanTransformer3DModel)
 }
 # Modules whose CONVERTERS `converters()` collects.
 CONVERTER_MODULES = ('ddrl_jax.models.cosmos.family', 'ddrl_jax.models.wan.family',
-                     'ddrl_jax.models.sd3.family')
+                     'ddrl_jax.models.sd3.family', 'ddrl_jax.models.flux.family')
 
 ApplyFn = Callable[[Any, jax.Array, jax.Array, Any], jax.Array]
 

@@ -19,16 +19,17 @@ serves every text-to-image and text-to-video family.
                      whose embeddings are too large to keep sets False (Cosmos' Reason1: 196 MiB a prompt)
                      and every call encodes its prompts
   guidance_mode      'cfg': guidance runs the 2B forward with the empty prompt's 'null_<field>' twins;
+                     'embed': the scale is a model input (FLUX.1-dev's guidance embedding, guidance
+                     distillation): every condition carries 'guidance' (B,), no null branch, one forward;
                      'none': the pipeline adds no guidance fields (the family takes no guidance, or its
-                     own: Cosmos' negative-prompt guidance, which its task adds; FLUX-style guidance
-                     embeddings would be a third mode: the scale as a model input, no null branch)
+                     own: Cosmos' negative-prompt guidance, which its task adds)
   cfg_on             whether any phase samples with guidance != 1 (then conditions carry 'guidance')
   shape_key          the config key that sets the sample shape (for messages)
   required_inputs()  the weights a full run needs (a default from section, weights_source,
                      convert_models() and text_encoder_key is below)
 
 Conditions built here: the text fields (B, ...) float32 and, when `cfg_on`, 'guidance' (B,) with the
-empty prompt's 'null_<name>' for each text field. Tasks add their own fields (the prompt task: 'index').
+empty prompt's 'null_<name>' for each text field; under 'embed', 'guidance' (B,) alone, always. Tasks add their own fields (the prompt task: 'index').
 
 Shared pieces every family's pipeline uses: `resolve` (paths relative to the repository root),
 `restore_converted` (converted weights into a module), `vae_functions` (the jitted encode and the
@@ -44,7 +45,7 @@ from flax import nnx
 from ddrl_jax.parallel import hosts
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GUIDANCE_MODES = ('cfg', 'none')
+GUIDANCE_MODES = ('cfg', 'embed', 'none')
 
 
 def resolve(path):
@@ -177,6 +178,8 @@ class LatentPipeline:
       cond['guidance'] = jnp.full((b,), guidance, jnp.float32)
       for name, field in self.TEXT_FIELDS.items():
         cond[f'null_{name}'] = jnp.asarray(np.repeat(null[field], b, 0))
+    elif self.guidance_mode == 'embed':
+      cond['guidance'] = jnp.full((b,), guidance, jnp.float32)
     return cond
 
   def abstract_text_conditions(self, batch):
@@ -187,6 +190,8 @@ class LatentPipeline:
     if self.cfg_on:
       out['guidance'] = jax.ShapeDtypeStruct((batch,), f32)
       out.update({f'null_{name}': s for name, s in text.items()})
+    elif self.guidance_mode == 'embed':
+      out['guidance'] = jax.ShapeDtypeStruct((batch,), f32)
     return out
 
   # ----------------------------------------------------------------------------------- VAE
