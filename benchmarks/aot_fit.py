@@ -178,8 +178,9 @@ def report(rows, margin):
       fns = micros[m]
       cell = lambda fn: (f"{fns[fn]['peak_bytes'] / 2**30:.1f}" if fn in fns and 'peak_bytes' in fns[fn]
                          else (fns[fn]['outcome'] if fn in fns else '-'))
-      verdict = 'fits' if m in fitting else next((f['outcome'] for f in fns.values() if f['outcome'] != 'fits'),
-                                                 'fits, < margin')
+      failed = next((f['outcome'] for f in fns.values() if f['outcome'] != 'fits'), None)
+      low = any(f.get('spare_fraction', 0) < margin for f in fns.values())
+      verdict = ('fits' if m in fitting else failed or ('fits, < margin' if low else 'incomplete'))
       ceiling = f'{hbm_gib:g} GiB' if hbm_gib else 'HBM'
       lines.append(f'| {recipe} | {topology} | {ceiling} | {m or "whole"} | {cell("rollout")} | '
                    f'{cell("data_grads")} | {cell("update")} | {verdict} |')
