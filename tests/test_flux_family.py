@@ -153,3 +153,26 @@ def test_smoke_presets_train_through_the_prompt_task(tmp_path, preset):
   assert any('reward/ocr' in r for r in rows) and any('eval/ocr' in r for r in rows)
   if preset == 'ddrl_smoke':
     assert np.isfinite(metrics['data_loss'])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('preset', ['flow_grpo_smoke', 'dance_grpo_smoke'])
+def test_smoke_presets_train_on_their_recipes_rewards(tmp_path, preset):
+  """The recipes' own rewards (flow_grpo: PickScore; dance_grpo: HPSv2.1 + CLIPScore) on tiny random
+  weights of the real checkpoint layouts, scored in the reward service during training."""
+  from ddrl_jax.rewards import clip_rewards  # pylint: disable=g-import-not-at-top
+  from ddrl_jax.rewards import hps  # pylint: disable=g-import-not-at-top
+  config = flux1_dev.get_config(preset)
+  recipe = flux1_dev.get_config(preset[:-len('_smoke')])
+  config.reward.fns = recipe.reward.fns
+  clip = clip_rewards.save_tiny(str(tmp_path / 'clip'))
+  config.reward.kwargs.pickscore.checkpoint = clip['checkpoint']
+  config.reward.kwargs.clipscore.checkpoint = clip['checkpoint']
+  for key, value in hps.save_tiny(str(tmp_path / 'hps')).items():
+    config.reward.kwargs.hpsv21[key] = value
+  trainer, metrics = _train(config, tmp_path / 'w')
+  assert int(trainer.state.step) == 2 and np.isfinite(metrics['loss'])
+  with open(tmp_path / 'w' / 'metrics.jsonl') as f:
+    rows = [json.loads(line) for line in f]
+  for name in recipe.reward.fns:
+    assert any(np.isfinite(r.get(f'reward/{name}', np.nan)) for r in rows), name
