@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from ddrl_jax.models import checked_state
+from ddrl_jax.models import family as family_lib
 from ddrl_jax.models import autoencoder_kl as vae_lib
 
 WEIGHTS_NAME = 'diffusion_pytorch_model.safetensors'
@@ -39,8 +40,7 @@ _RENAMES = (('.downsamplers.0.conv.', '.downsampler.'), ('.upsamplers.0.conv.', 
 def abstract_params(config):
   """(abstract model, {path tuple of str: ShapeDtypeStruct}) of AutoencoderKL(config)'s Params."""
   abstract = vae_lib.abstract_model(config)
-  state = nnx.state(abstract, nnx.Param)
-  return abstract, {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(state)}
+  return abstract, checked_state.param_specs(abstract)
 
 
 def _target_path(key, expected):
@@ -71,23 +71,22 @@ def from_diffusers_state_dict(state_dict, config):
   """{diffusers key: np.ndarray} -> pure nested dict of AutoencoderKL(config)'s Params (host numpy, cast to
   config.param_dtype), the structure of `nnx.to_pure_dict(nnx.state(model, nnx.Param))`."""
   abstract, expected = abstract_params(config)
-  flat, unexpected, misshaped = {}, [], []
-  for key, value in state_dict.items():
-    path = _target_path(key, expected)
-    if path not in expected:
-      unexpected.append(key)
-      continue
-    want = tuple(expected[path].shape)
-    arr = _transform(value, path, len(want))
-    if arr is None or tuple(arr.shape) != want:
-      misshaped.append(f'{key}: got {tuple(np.shape(value))}, want {want} as {"/".join(path)}')
-      continue
-    flat[path] = arr
-  missing = ['/'.join(p) for p in expected if p not in flat and
-             not any(m.endswith('as ' + '/'.join(p)) for m in misshaped)]
-  state = checked_state.fill_params(abstract, expected, flat, name='AutoencoderKL(config)', missing=missing,
-                                    unexpected=unexpected, misshaped=misshaped)
+  state = checked_state.convert_leaves(state_dict, abstract, expected,
+                                       target_path=lambda key: _target_path(key, expected),
+                                       transform=_transform, name='AutoencoderKL(config)')
   return nnx.to_pure_dict(state)
+
+
+def state_from_diffusers(state_dict, config):
+  """(nnx.State of AutoencoderKL(config)'s Params, 'diffusers'): a `models.family.Converter`'s convert."""
+  pure = from_diffusers_state_dict(state_dict, config)
+  return checked_state.param_state(vae_lib.abstract_model(config), pure), 'diffusers'
+
+
+def converter(preset):
+  """The `family.Converter` of an AutoencoderKL preset (`autoencoder_kl.sd35`, `.flux1`, `.tiny`): diffusers'
+  `vae/` -> params, for `python -m ddrl_jax.models.convert`."""
+  return family_lib.preset_converter(preset, vae_lib.abstract_model, state_from_diffusers, 'vae')
 
 
 def merge_params(config, params):
@@ -176,5 +175,5 @@ def load_model(path, **overrides):
   return merge_params(cfg, params)
 
 
-__all__ = ['abstract_params', 'config_from_diffusers', 'from_diffusers_state_dict', 'load_diffusers_folder',
-           'load_model', 'merge_params', 'read_safetensors']
+__all__ = ['abstract_params', 'config_from_diffusers', 'converter', 'from_diffusers_state_dict',
+           'load_diffusers_folder', 'load_model', 'merge_params', 'read_safetensors', 'state_from_diffusers']

@@ -68,6 +68,12 @@ class Converter:
   subfolder: str
 
 
+def preset_converter(preset, abstract, convert, subfolder):
+  """The Converter of a model preset (preset(param_dtype=...) -> config): see `Converter`."""
+  return Converter(make_config=lambda param_dtype: preset(param_dtype=param_dtype), abstract=abstract,
+                   convert=convert, subfolder=subfolder)
+
+
 def nest_paths(flat):
   """{'a/b/c': x} -> {'a': {'b': {'c': x}}} (an Exporter's flat paths -> a pure dict)."""
   out = {}

@@ -1,7 +1,8 @@
 """Layers and pure functions every model family shares: the dense layer (with optional LoRA adapters), RMSNorm,
-the remat policies, RoPE's rotations (half-split and interleaved pairs), timestep sinusoids, video patchify,
-exact and tanh GELU, LayerNorm, the compute-dtype cast of a model's parameters, and the parts of the
-two-stream (image, text) DiTs (SD3's MMDiT, FLUX): the activation logical names and rules, adaLN modulation,
+the remat policies and the stacked blocks run under nnx.scan (`remat`, `stacked`, `scan_blocks`), RoPE's
+rotations (half-split and interleaved pairs), timestep sinusoids, video patchify, exact and tanh GELU,
+LayerNorm, the compute-dtype cast of a model's parameters, and the parts of the two-stream (image, text) DiTs
+(SD3's MMDiT, FLUX): the activation logical names and rules, adaLN modulation,
 the tanh-GELU feed-forward, and the timestep and pooled-text embedders.
 
 `Dense` is the one linear layer of ddrl_jax's models. It is `nnx.Linear` (same parameters `kernel` (din,
@@ -70,6 +71,42 @@ REMAT_POLICIES = {
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     'save_all': jax.checkpoint_policies.everything_saveable,
 }
+
+
+def check_remat_policy(policy):
+  """Raises ValueError unless `policy` is a REMAT_POLICIES key."""
+  if policy not in REMAT_POLICIES:
+    raise ValueError(f'remat_policy={policy!r} not in {sorted(REMAT_POLICIES)}')
+
+
+def remat(fn, policy):
+  """`fn` under nnx.remat with REMAT_POLICIES[policy] (prevent_cse=False: it runs inside a scan), or `fn`
+  itself for 'none'; ValueError for an unknown policy."""
+  check_remat_policy(policy)
+  if policy == 'none':
+    return fn
+  return nnx.remat(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
+
+
+def stacked(make_block, n, rngs):
+  """n modules `make_block(rngs)` with every parameter stacked on a leading 'layers' axis (nnx.vmap over
+  n split rng streams): the form `scan_blocks` runs."""
+
+  @nnx.split_rngs(splits=n)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  def make(r):
+    return make_block(r)
+
+  return make(rngs)
+
+
+def scan_blocks(body, blocks, carry, policy, out_axes=nnx.Carry):
+  """`body(block, carry)` run over a `stacked` module's blocks with nnx.scan, under `remat(body, policy)`, so
+  compile time does not grow with depth. out_axes as nnx.scan's (nnx.Carry: body returns the next carry;
+  (nnx.Carry, 0): it returns (carry, per-block output), stacked on a leading axis)."""
+  scan = nnx.scan(remat(body, policy), in_axes=(0, nnx.Carry), out_axes=out_axes,
+                  transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  return scan(blocks, carry)
 
 
 class RMSNorm(nnx.Module):

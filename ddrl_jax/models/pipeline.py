@@ -3,7 +3,10 @@ prompt encoded once per run), its condition schema (which embedding fields, and 
 guidance enters) and its VAE (media <-> latents), so that one prompt task (`ddrl_jax.tasks.prompt_task`)
 serves every text-to-image and text-to-video family.
 
-`LatentPipeline` is the mixin a family composes (SD3's, Wan's and Cosmos' do); the family supplies:
+`LatentPipeline` is the mixin a family composes (Wan's and Cosmos' do; SD3's and FLUX's compose
+`ImageLatents`, a LatentPipeline with the image VAE's parts: DECODE_PERM, build_vae and media_to_pixels of
+(1, R, R, 3) images through `autoencoder_kl.AutoencoderKL`, and `PooledText`, the TEXT_FIELDS and
+encode_text of a T5 sequence with a CLIP pooled vector); the family supplies:
 
   TEXT_FIELDS        {condition name: record name}, e.g. {'text': 'text_embedding', 'pooled': ...}
   DECODE_PERM        the axes that turn the VAE's decoded (M, 3, ...) pixels into (M, ..., 3) media
@@ -26,7 +29,8 @@ serves every text-to-image and text-to-video family.
   cfg_on             whether any phase samples with guidance != 1 (then conditions carry 'guidance')
   shape_key          the config key that sets the sample shape (for messages)
   required_inputs()  the weights a full run needs (a default from section, weights_source,
-                     convert_models() and text_encoder_key is below)
+                     convert_models() and text_encoder_key is below); convert_models() defaults to the
+                     section's `model` and the class's `convert_vae` (the converter CLI's model names)
 
 Conditions built here: the text fields (B, ...) float32 and, when `cfg_on`, 'guidance' (B,) with the
 empty prompt's 'null_<name>' for each text field; under 'embed', 'guidance' (B,) alone, always. Tasks add their own fields (the prompt task: 'index').
@@ -42,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ddrl_jax.models import autoencoder_kl
 from ddrl_jax.parallel import hosts
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -230,6 +235,10 @@ class LatentPipeline:
     return np.concatenate(out) if out else np.zeros((0,) + tuple(self.sample_shape), np.float32)
 
   # ------------------------------------------------------------------------- run inputs
+  def convert_models(self):
+    """The converter model names of this family's DiT (by its section's `model`) and VAE (`convert_vae`)."""
+    return self.c.model, self.convert_vae
+
   def required_inputs(self):
     """The weights a full run of this family needs (`preflight.Input`s): the converted DiT and VAE and
     the text encoders' folder, each with the command that makes it."""
@@ -249,3 +258,29 @@ class LatentPipeline:
   def is_video(self):
     """Whether a medium has more than one frame."""
     return self.media_shape[0] > 1
+
+
+class PooledText:
+  """The text conditions of SD3 and FLUX: 'text' the T5 (joint) sequence and 'pooled' the CLIP pooled vector,
+  from the family's encoder's encode(prompts, max_sequence_length=c.max_sequence_length) -> (text, pooled).
+  Composed before the LatentPipeline (it overrides TEXT_FIELDS and encode_text)."""
+
+  TEXT_FIELDS = {'text': 'text_embedding', 'pooled': 'pooled_embedding'}
+
+  def encode_text(self, encoder, prompts):
+    text, pooled = encoder.encode(prompts, max_sequence_length=self.c.max_sequence_length)
+    return dict(text_embedding=text, pooled_embedding=pooled)
+
+
+class ImageLatents(LatentPipeline):
+  """A LatentPipeline of one-image media, (1, R, R, 3) uint8, through the shared AutoencoderKL (SD3's and
+  FLUX's): the family sets `vae_cfg` (an `autoencoder_kl.AutoencoderKLConfig`) and `c.vae_seed`."""
+
+  DECODE_PERM = (0, 2, 3, 1)             # (M, 3, H, W) -> (M, H, W, 3)
+
+  def build_vae(self):
+    return autoencoder_kl.AutoencoderKL(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
+
+  def media_to_pixels(self, media_u8):
+    """(B, 1, R, R, 3) uint8 -> (B, 3, R, R) float32 in [-1, 1]."""
+    return np.transpose(media_u8[:, 0].astype(np.float32) / 127.5 - 1.0, (0, 3, 1, 2))

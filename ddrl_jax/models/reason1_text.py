@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ddrl_jax.models import checked_state
 from ddrl_jax.models import layers
-from ddrl_jax.models.layers import REMAT_POLICIES
 from ddrl_jax.models.layers import RMSNorm
 from ddrl_jax.models.text import reason_full_concat
 from ddrl_jax.parallel import plan as plan_lib
@@ -101,8 +101,7 @@ class Qwen25TextConfig:
     if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads or self.head_dim % 2:
       raise ValueError(f'hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads='
                        f'{self.num_kv_heads}: need heads | hidden, kv_heads | heads and an even head dim')
-    if self.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f'remat_policy={self.remat_policy!r} not in {sorted(REMAT_POLICIES)}')
+    layers.check_remat_policy(self.remat_policy)
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f'attention_impl={self.attention_impl!r} not in {ATTENTION_IMPLS}')
     return self
@@ -261,17 +260,6 @@ class DecoderLayer(nnx.Module):
     return x + self.mlp(self.post_attention_layernorm(x).astype(dtype)).astype(jnp.float32)
 
 
-def _stacked_layers(cfg, rngs):
-  """cfg.num_layers DecoderLayers with every parameter stacked on a leading 'layers' axis."""
-
-  @nnx.split_rngs(splits=cfg.num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-  def make(r):
-    return DecoderLayer(cfg, r)
-
-  return make(rngs)
-
-
 class Qwen25TextModel(nnx.Module):
   """The Qwen2.5 decoder without lm_head. Parameter names follow transformers' (`embed_tokens`, `layers`,
   `self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, `norm`, ...)."""
@@ -281,7 +269,7 @@ class Qwen25TextModel(nnx.Module):
     init = nnx.with_partitioning(nnx.initializers.normal(0.02), ('vocab', 'embed'), eager_sharding=False)
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=jnp.float32,
                                   param_dtype=cfg.param_dtype, embedding_init=init, rngs=rngs)
-    self.layers = _stacked_layers(cfg, rngs)
+    self.layers = layers.stacked(lambda r: DecoderLayer(cfg, r), cfg.num_layers, rngs)
     self.norm = RMSNorm(cfg.hidden_size, 'embed', cfg.rms_norm_eps, cfg.param_dtype)
 
   def __call__(self, input_ids):
@@ -297,11 +285,8 @@ class Qwen25TextModel(nnx.Module):
       out = constrain(layer(carry, cos, sin), RESIDUAL_NAMES)
       return out, out
 
-    if cfg.remat_policy != 'none':
-      body = nnx.remat(body, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
-    scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0),
-                    transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    last, outputs = scan(self.layers, x)                       # outputs (num_layers, B, L, D)
+    last, outputs = layers.scan_blocks(body, self.layers, x, cfg.remat_policy,
+                                       out_axes=(nnx.Carry, 0))   # outputs (num_layers, B, L, D)
     states = jnp.concatenate([outputs[:-1], self.norm(last)[None]], axis=0)
     return jnp.transpose(states, (1, 0, 2, 3))
 
@@ -455,8 +440,7 @@ def weight_files(folder):
 def abstract_params(config):
   """(abstract model, {path tuple: ShapeDtypeStruct} of its Params) without allocating."""
   abstract = nnx.eval_shape(lambda: Qwen25TextModel(config, rngs=nnx.Rngs(0)))
-  state = nnx.state(abstract, nnx.Param)
-  return abstract, {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(state)}
+  return abstract, checked_state.param_specs(abstract)
 
 
 def load_params(folder, config):

@@ -28,8 +28,7 @@ _RENAMES = (('.resample.1.', '.resample.'), ('.upsamplers.0.', '.upsampler.'))
 def abstract_params(config):
   """(abstract model, {path tuple: ShapeDtypeStruct}) of the Params, without allocating."""
   abstract = nnx.eval_shape(lambda: WanVAE(config, rngs=nnx.Rngs(0)))
-  state = nnx.state(abstract, nnx.Param)
-  return abstract, {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(state)}
+  return abstract, checked_state.param_specs(abstract)
 
 
 def _target_path(key):
@@ -62,22 +61,8 @@ def _transform(value, path, want_ndim):
 def convert_diffusers_vae_state_dict(state_dict, config):
   """{diffusers key: np.ndarray} -> nnx.State of WanVAE(config) Params (host numpy values)."""
   abstract, expected = abstract_params(config)
-  flat, unexpected, misshaped = {}, [], []
-  for key, value in state_dict.items():
-    path = _target_path(key)
-    if path not in expected:
-      unexpected.append(key)
-      continue
-    want = tuple(expected[path].shape)
-    arr = _transform(value, path, len(want))
-    if arr is None or tuple(arr.shape) != want:
-      misshaped.append(f'{key}: got {tuple(np.shape(value))}, want {want} as {"/".join(path)}')
-      continue
-    flat[path] = arr
-  missing = ['/'.join(p) for p in expected if p not in flat and
-             not any(m.endswith('as ' + '/'.join(p)) for m in misshaped)]
-  return checked_state.fill_params(abstract, expected, flat, name='WanVAE(config)', missing=missing,
-                                   unexpected=unexpected, misshaped=misshaped)
+  return checked_state.convert_leaves(state_dict, abstract, expected, target_path=_target_path,
+                                      transform=_transform, name='WanVAE(config)')
 
 
 def merge_params(config, state):

@@ -101,8 +101,7 @@ def _match(key, rules):
 def abstract_params(config):
   """{path tuple: ShapeDtypeStruct-like} of the model's nnx.Param leaves, without allocating."""
   abstract = nnx.eval_shape(lambda: CosmosDiT(config, rngs=nnx.Rngs(0)))
-  state = nnx.state(abstract, nnx.Param)
-  return abstract, {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(state)}
+  return abstract, checked_state.param_specs(abstract)
 
 
 def _to_kernel(value, kind):

@@ -334,17 +334,6 @@ class FinalLayer(nnx.Module):
     return self.linear(layer_norm(x, self.cfg.norm_eps) * (1 + scale) + shift)
 
 
-def _stacked_blocks(cfg, rngs):
-  """cfg.num_blocks Blocks with every parameter stacked on a leading 'layers' axis."""
-
-  @nnx.split_rngs(splits=cfg.num_blocks)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-  def make(r):
-    return Block(cfg, r)
-
-  return make(rngs)
-
-
 class CosmosDiT(nnx.Module):
   """The Cosmos-Predict2.5 DiT. Parameter names follow the original `net.` checkpoint."""
 
@@ -365,7 +354,7 @@ class CosmosDiT(nnx.Module):
     self.extra_pos_embedder = nnx.data(None)
     if cfg.extra_pos_embed:
       self.extra_pos_embedder = LearnablePosEmbAxis(cfg, rngs)
-    self.blocks = _stacked_blocks(cfg, rngs)
+    self.blocks = layers.stacked(lambda r: Block(cfg, r), cfg.num_blocks, rngs)
     self.final_layer = FinalLayer(cfg, rngs)
 
   def _embed_input(self, x, cond_mask, padding_mask):
@@ -382,19 +371,12 @@ class CosmosDiT(nnx.Module):
     return self.x_embedder(tokens).reshape(bt, tt, hh * ww, -1)
 
   def _run_blocks(self, x, context, emb, lora, rope, extra_pos=None):
-    """Scans the stacked blocks over the float32 residual x (B, T', H'W', D)."""
-    policy_name = self.config.remat_policy
-    if policy_name not in REMAT_POLICIES:
-      raise ValueError(f'remat_policy={policy_name!r} not in {sorted(REMAT_POLICIES)}')
+    """Scans the stacked blocks over the float32 residual x (B, T', H'W', D) (`layers.scan_blocks`)."""
 
     def body(block, carry):
       return constrain(block(carry, context, emb, lora, rope, extra_pos), RESIDUAL_NAMES)
 
-    if policy_name != 'none':
-      body = nnx.remat(body, policy=REMAT_POLICIES[policy_name], prevent_cse=False)
-    scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
-                    transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    return scan(self.blocks, x)
+    return layers.scan_blocks(body, self.blocks, x, self.config.remat_policy)
 
   def __call__(self, x, timesteps, context, cond_mask=None, padding_mask=None):
     """Velocity of the rectified flow.

@@ -395,10 +395,8 @@ def _convert_any(state_dict, config):
 
 
 def _converter(preset):
-  return family_lib.Converter(
-      make_config=lambda param_dtype: preset(param_dtype=param_dtype),
-      abstract=lambda config: cosmos_convert.abstract_params(config)[0],
-      convert=_convert_any, subfolder='transformer')
+  return family_lib.preset_converter(preset, lambda config: cosmos_convert.abstract_params(config)[0],
+                                     _convert_any, 'transformer')
 
 
 CONVERTERS = {'cosmos2b': _converter(cosmos_dit.cosmos2b), 'cosmos14b': _converter(cosmos_dit.cosmos14b),

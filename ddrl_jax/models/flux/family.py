@@ -26,7 +26,6 @@ import math
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ddrl_jax.models import autoencoder_kl
 from ddrl_jax.models import autoencoder_kl_convert
@@ -94,15 +93,13 @@ def dit_exporter(dit):
       to_diffusers=lambda flat: flux_convert.to_diffusers_state_dict(family_lib.nest_paths(flat), dit))
 
 
-class FluxFamily(family_lib.SectionFamily, pipeline_lib.LatentPipeline):
+class FluxFamily(family_lib.SectionFamily, pipeline_lib.PooledText, pipeline_lib.ImageLatents):
   """FLUX.1's transformer on (16, R/8, R/8) latents with its text encoders and VAE, from config.flux."""
 
   name = 'flux'
   section = 'flux'
   LOGICAL_RULES = LOGICAL_RULES
   resume_safe_keys = ('flux.checkpoint', 'flux.vae_checkpoint', 'flux.text_encoders')
-  TEXT_FIELDS = {'text': 'text_embedding', 'pooled': 'pooled_embedding'}
-  DECODE_PERM = (0, 2, 3, 1)             # (M, 3, H, W) -> (M, H, W, 3)
   vae_checkpoint_key = 'config.flux.vae_checkpoint'
   weights_source = '<diffusers FLUX.1 folder>'
   text_encoder_key = 'flux.text_encoders'
@@ -132,23 +129,9 @@ class FluxFamily(family_lib.SectionFamily, pipeline_lib.LatentPipeline):
   def make_text_encoder(self):
     return text_encoders(self.c)
 
-  def encode_text(self, encoder, prompts):
-    text, pooled = encoder.encode(prompts, max_sequence_length=self.c.max_sequence_length)
-    return dict(text_embedding=text, pooled_embedding=pooled)
-
   def text_shapes(self):
     return dict(text=(self.c.max_sequence_length, self.dit.joint_attention_dim),
                 pooled=(self.dit.pooled_projection_dim,))
-
-  def build_vae(self):
-    return autoencoder_kl.AutoencoderKL(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
-
-  def media_to_pixels(self, media_u8):
-    """(B, 1, R, R, 3) uint8 -> (B, 3, R, R) float32 in [-1, 1]."""
-    return np.transpose(media_u8[:, 0].astype(np.float32) / 127.5 - 1.0, (0, 3, 1, 2))
-
-  def convert_models(self):
-    return self.c.model, self.convert_vae
 
   # ------------------------------------------------------------------------------- network
   def build(self, key):
@@ -176,26 +159,13 @@ class FluxFamily(family_lib.SectionFamily, pipeline_lib.LatentPipeline):
 FAMILIES = {'flux': FluxFamily}
 
 
-def _convert_vae(state_dict, config):
-  pure = autoencoder_kl_convert.from_diffusers_state_dict(state_dict, config)
-  state = nnx.state(autoencoder_kl.abstract_model(config), nnx.Param)
-  nnx.replace_by_pure_dict(state, pure)
-  return state, 'diffusers'
-
-
 def _dit_converter(preset):
-  return family_lib.Converter(make_config=lambda param_dtype: preset(param_dtype=param_dtype),
-                              abstract=transformer.abstract_model, convert=flux_convert.state_from_diffusers,
-                              subfolder='transformer')
-
-
-def _vae_converter(preset):
-  return family_lib.Converter(make_config=lambda param_dtype: preset(param_dtype=param_dtype),
-                              abstract=autoencoder_kl.abstract_model, convert=_convert_vae, subfolder='vae')
+  return family_lib.preset_converter(preset, transformer.abstract_model, flux_convert.state_from_diffusers,
+                                     'transformer')
 
 
 CONVERTERS = {'flux1_dev': _dit_converter(transformer.flux1_dev),
               'flux1_schnell': _dit_converter(transformer.flux1_schnell),
               'flux_tiny': _dit_converter(transformer.tiny),
-              'flux1_vae': _vae_converter(autoencoder_kl.flux1),
-              'flux_vae_tiny': _vae_converter(autoencoder_kl.tiny)}
+              'flux1_vae': autoencoder_kl_convert.converter(autoencoder_kl.flux1),
+              'flux_vae_tiny': autoencoder_kl_convert.converter(autoencoder_kl.tiny)}

@@ -59,7 +59,6 @@ from ddrl_jax.models import layers
 from ddrl_jax.models.layers import IMAGE_NAMES
 from ddrl_jax.models.layers import IMAGE_QKV_NAMES
 from ddrl_jax.models.layers import JOINT_DIT_LOGICAL_RULES
-from ddrl_jax.models.layers import REMAT_POLICIES
 from ddrl_jax.models.layers import TEXT_NAMES
 from ddrl_jax.models.layers import TEXT_QKV_NAMES
 from ddrl_jax.models.layers import TIME_FREQ_DIM
@@ -130,8 +129,7 @@ class FluxConfig:
         or len(self.axes_dims_rope) != 3:
       raise ValueError(f'axes_dims_rope={self.axes_dims_rope}: need 3 even dims summing to '
                        f'attention_head_dim={self.attention_head_dim}')
-    if self.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f'remat_policy={self.remat_policy!r} not in {sorted(REMAT_POLICIES)}')
+    layers.check_remat_policy(self.remat_policy)
 
   @property
   def inner_dim(self):
@@ -401,17 +399,6 @@ class TimeTextEmbed(nnx.Module):
     return temb + self.text_embedder(pooled.astype(jnp.float32))
 
 
-def _stacked(block_cls, cfg, n, rngs):
-  """n blocks with every parameter stacked on a leading 'layers' axis."""
-
-  @nnx.split_rngs(splits=n)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-  def make(r):
-    return block_cls(cfg, r)
-
-  return make(rngs)
-
-
 class FluxTransformer(nnx.Module):
   """FLUX.1's `FluxTransformer2DModel`. Parameters named after diffusers' (module docstring)."""
 
@@ -421,28 +408,18 @@ class FluxTransformer(nnx.Module):
     self.time_text_embed = TimeTextEmbed(cfg, rngs)
     self.context_embedder = _dense(cfg.joint_attention_dim, d, ('cross_embed', 'embed'), rngs, cfg.dtype, cfg)
     self.x_embedder = _dense(cfg.in_channels, d, (None, 'embed'), rngs, cfg.dtype, cfg)
-    self.transformer_blocks = _stacked(DoubleBlock, cfg, cfg.num_layers, rngs)
-    self.single_transformer_blocks = _stacked(SingleBlock, cfg, cfg.num_single_layers, rngs)
+    self.transformer_blocks = layers.stacked(lambda r: DoubleBlock(cfg, r), cfg.num_layers, rngs)
+    self.single_transformer_blocks = layers.stacked(lambda r: SingleBlock(cfg, r), cfg.num_single_layers, rngs)
     self.norm_out = AdaLNModulation(cfg, 2, rngs)
     self.proj_out = _dense(d, cfg.out_ch, ('embed', None), rngs, jnp.float32, cfg)
 
-  def _remat(self, fn):
-    policy = self.config.remat_policy
-    if policy not in REMAT_POLICIES:
-      raise ValueError(f'remat_policy={policy!r} not in {sorted(REMAT_POLICIES)}')
-    if policy == 'none':
-      return fn
-    return nnx.remat(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
-
   def _scan(self, blocks, x, c, temb_act, rope):
-    """Runs a stacked block module over the (image, text) residuals with nnx.scan."""
+    """Runs a stacked block module over the (image, text) residuals (`layers.scan_blocks`)."""
 
     def body(block, carry):
       return block(carry[0], carry[1], temb_act, rope)
 
-    scan = nnx.scan(self._remat(body), in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
-                    transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    return scan(blocks, (x, c))
+    return layers.scan_blocks(body, blocks, (x, c), self.config.remat_policy)
 
   def _check_guidance(self, guidance):
     if self.config.guidance_embeds and guidance is None:

@@ -19,20 +19,13 @@ Usage:
 import math
 import re
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from ddrl_jax.models import checked_state
 from ddrl_jax.models.sd3 import mmdit
 
 POS_EMBED_KEY = 'pos_embed.pos_embed'
 _BLOCK_RE = re.compile(r'transformer_blocks\.(\d+)\.(.+)')
-_NORMS = ('norm_q', 'norm_k', 'norm_added_q', 'norm_added_k')
-# (ours, diffusers) renames of module sub-paths, '.'-joined.
-_RENAMES = (('ff.proj_in', 'ff.net.0.proj'), ('ff.proj_out', 'ff.net.2'),
-            ('ff_context.proj_in', 'ff_context.net.0.proj'), ('ff_context.proj_out', 'ff_context.net.2'),
-            ('to_out', 'to_out.0'))
 _STACKS = ('dual_blocks', 'joint_blocks')
 
 
@@ -41,13 +34,6 @@ def _block_ranges(cfg):
   return {'dual_blocks': range(0, cfg.num_dual),
           'joint_blocks': range(cfg.num_dual, cfg.num_dual + cfg.num_joint),
           'last_block': range(cfg.num_layers - 1, cfg.num_layers)}
-
-
-def _rename(module, pairs):
-  for src, dst in pairs:
-    if module == src or module.endswith('.' + src):
-      return module[:len(module) - len(src)] + dst
-  return module
 
 
 def _kind(module, leaf):
@@ -61,15 +47,12 @@ def diffusers_names(path, cfg):
   """diffusers keys of one parameter path ('dual_blocks/attn/to_q/kernel'): one per block for a stacked
   leaf, else one; and the leaf's kind ('linear': transposed, 'patch': the conv, 'vector': as is)."""
   parts = path.split('/')
-  head, module, leaf = parts[0], '.'.join(parts[:-1]), parts[-1]
-  if leaf not in ('kernel', 'bias', 'scale'):
-    raise ValueError(f'{path}: no diffusers name for this parameter')
-  kind = _kind(module, leaf)
-  suffix = 'bias' if leaf == 'bias' else 'weight'
-  if head in _block_ranges(cfg):
-    rest = _rename('.'.join(parts[1:-1]), _RENAMES)
-    return [f'transformer_blocks.{i}.{rest}.{suffix}' for i in _block_ranges(cfg)[head]], kind
-  return [f'{module}.{suffix}'], kind
+  ranges = _block_ranges(cfg)
+  name = checked_state.joint_dit_name(path, in_block=parts[0] in ranges)
+  kind = _kind('.'.join(parts[:-1]), parts[-1])
+  if parts[0] in ranges:
+    return [f'transformer_blocks.{i}.{name}' for i in ranges[parts[0]]], kind
+  return [name], kind
 
 
 def _our_path(key, cfg):
@@ -84,58 +67,22 @@ def _our_path(key, cfg):
         break
     else:
       return None
-  if '.' not in module_key:
+  found = checked_state.joint_dit_leaf(module_key, in_block=bool(m))
+  if found is None:
     return None
-  module, suffix = module_key.rsplit('.', 1)
-  module = _rename(module, [(b, a) for a, b in _RENAMES]) if m else module
-  if suffix == 'bias':
-    leaf = 'bias'
-  elif suffix == 'weight':
-    leaf = 'scale' if module.split('.')[-1] in _NORMS else 'kernel'
-  else:
-    return None
-  return head + tuple(module.split('.')) + (leaf,), index, _kind('.'.join(head + (module,)), leaf)
+  module, leaf = found
+  return head + module + (leaf,), index, _kind('.'.join(head + module), leaf)
 
 
 def abstract_params(cfg):
   """{path tuple: ShapeDtypeStruct} of MMDiT(cfg)'s nnx.Param leaves (jax.eval_shape, no allocation)."""
-  state = nnx.state(mmdit.abstract_model(cfg), nnx.Param)
-  return {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(state)}
-
-
-def _flatten(pure, prefix=()):
-  out = {}
-  for k, v in pure.items():
-    if isinstance(v, dict):
-      out.update(_flatten(v, prefix + (str(k),)))
-    else:
-      out[prefix + (str(k),)] = v
-  return out
-
-
-def _nest(flat):
-  out = {}
-  for path, v in flat.items():
-    node = out
-    for k in path[:-1]:
-      node = node.setdefault(k, {})
-    node[path[-1]] = v
-  return out
+  return checked_state.param_specs(mmdit.abstract_model(cfg))
 
 
 def check_against_model(pure, cfg, max_listed=10):
   """Raises ValueError when the paths or shapes of a pure parameter dict differ from jax.eval_shape of
   MMDiT(cfg), listing the first `max_listed` differences."""
-  expected = abstract_params(cfg)
-  got = {p: tuple(np.shape(v)) for p, v in _flatten(pure).items()}
-  diffs = [f'{"/".join(p)}: missing (expected {tuple(expected[p].shape)})' for p in expected if p not in got]
-  diffs += [f'{"/".join(p)}: unexpected {got[p]}' for p in got if p not in expected]
-  diffs += [f'{"/".join(p)}: got {got[p]}, expected {tuple(expected[p].shape)}'
-            for p in expected if p in got and got[p] != tuple(expected[p].shape)]
-  if diffs:
-    listed = '\n  '.join(diffs[:max_listed])
-    more = f'\n  ... and {len(diffs) - max_listed} more' if len(diffs) > max_listed else ''
-    raise ValueError(f'parameters do not match MMDiT({cfg}) ({len(diffs)} differences):\n  {listed}{more}')
+  checked_state.check_pure(pure, abstract_params(cfg), f'MMDiT({cfg})', max_listed)
 
 
 def _to_ours(value, kind):
@@ -166,48 +113,12 @@ def from_diffusers_state_dict(state_dict, cfg):
   Raises one ValueError listing every missing, unexpected and mis-shaped key (diffusers names). The
   buffer `pos_embed.pos_embed` is optional; when present it is checked against the table cfg implies.
   """
-  expected = abstract_params(cfg)
-  sizes = {name: len(r) for name, r in _block_ranges(cfg).items()}
-  flat, stacks, unexpected, misshaped = {}, {}, [], []
-  for key, value in state_dict.items():
-    if key == POS_EMBED_KEY:
-      problem = _check_pos_embed(value, cfg)
-      if problem:
-        misshaped.append(problem)
-      continue
-    found = _our_path(key, cfg)
-    if found is None or found[0] not in expected:
-      unexpected.append(key)
-      continue
-    path, index, kind = found
-    arr = _to_ours(value, kind)
-    want = tuple(expected[path].shape[1:] if index is not None else expected[path].shape)
-    if arr.shape != want:
-      misshaped.append(f'{key}: got {tuple(np.shape(value))}, expected {_torch_shape(want, kind, cfg)}')
-      continue
-    if index is None:
-      flat[path] = arr
-    else:
-      stacks.setdefault(path, {})[index] = arr
-  for path, parts in stacks.items():
-    if len(parts) == sizes[path[0]]:
-      flat[path] = np.stack([parts[i] for i in range(sizes[path[0]])])
-  missing = []
-  for path in expected:
-    if path in flat:
-      continue
-    names, _ = diffusers_names('/'.join(path), cfg)
-    have = stacks.get(path, {})
-    missing += [n for j, n in enumerate(names) if j not in have]
-  # A mis-shaped key is reported as such, not also as missing.
-  bad = {m.split(':', 1)[0] for m in misshaped}
-  missing = [m for m in missing if m not in bad]
-  if missing or unexpected or misshaped:
-    raise ValueError(f'state dict does not match SD3 MMDiT({cfg}):\n'
-                     f'  missing ({len(missing)}): {missing}\n'
-                     f'  unexpected ({len(unexpected)}): {unexpected}\n'
-                     f'  mis-shaped ({len(misshaped)}): {misshaped}')
-  pure = _nest({p: np.asarray(v, dtype=expected[p].dtype) for p, v in flat.items()})
+  pure = checked_state.stack_blocks(
+      state_dict, abstract_params(cfg), locate=lambda key: _our_path(key, cfg),
+      sizes={name: len(r) for name, r in _block_ranges(cfg).items()},
+      names_of=lambda path: diffusers_names('/'.join(path), cfg), name=f'SD3 MMDiT({cfg})', to_ours=_to_ours,
+      torch_shape=lambda shape, kind: _torch_shape(shape, kind, cfg),
+      checks={POS_EMBED_KEY: lambda value: _check_pos_embed(value, cfg)})
   check_against_model(pure, cfg)
   return pure
 
@@ -227,17 +138,16 @@ def to_diffusers_state_dict(pure, cfg, with_pos_embed=True):
   `pos_embed.pos_embed` unless with_pos_embed=False. The inverse of `from_diffusers_state_dict`."""
   check_against_model(pure, cfg)
   p, c = cfg.patch_size, cfg.in_channels
-  out = {}
-  for path, value in _flatten(pure).items():
-    names, kind = diffusers_names('/'.join(path), cfg)
-    value = np.asarray(value)
-    parts = list(value) if path[0] in _STACKS else [value]
-    for name, part in zip(names, parts):
-      if kind == 'linear':
-        part = part.T
-      elif kind == 'patch':
-        part = part.T.reshape(-1, c, p, p)
-      out[name] = np.ascontiguousarray(part)
+
+  def to_theirs(part, kind):
+    if kind == 'linear':
+      return part.T
+    if kind == 'patch':
+      return part.T.reshape(-1, c, p, p)
+    return part
+
+  out = checked_state.unstack_blocks(pure, names_of=lambda path: diffusers_names('/'.join(path), cfg),
+                                     stacks=_STACKS, to_theirs=to_theirs)
   if with_pos_embed:
     out[POS_EMBED_KEY] = mmdit.pos_embed_table(cfg)
   return out
@@ -246,9 +156,13 @@ def to_diffusers_state_dict(pure, cfg, with_pos_embed=True):
 def model_from_pure(pure, cfg):
   """MMDiT(cfg) with its parameters set from a pure dict (e.g. `from_diffusers_state_dict`'s)."""
   check_against_model(pure, cfg)
-  graphdef, state = nnx.split(mmdit.abstract_model(cfg))
-  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, pure))
-  return nnx.merge(graphdef, state)
+  return checked_state.merge_pure(mmdit.abstract_model(cfg), pure)
+
+
+def state_from_diffusers(state_dict, cfg):
+  """(nnx.State of MMDiT(cfg)'s Params, 'diffusers'): a `models.family.Converter`'s convert."""
+  pure = from_diffusers_state_dict(state_dict, cfg)
+  return checked_state.param_state(mmdit.abstract_model(cfg), pure), 'diffusers'
 
 
 def num_diffusers_params(state_dict):

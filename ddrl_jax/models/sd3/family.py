@@ -21,7 +21,6 @@ evaluation each use the scale their conditions carry (the task sets them from th
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ddrl_jax.models import autoencoder_kl
 from ddrl_jax.models import autoencoder_kl_convert
@@ -90,15 +89,13 @@ def dit_exporter(dit):
                                                                     with_pos_embed=True))
 
 
-class SD3Family(family_lib.SectionFamily, pipeline_lib.LatentPipeline):
+class SD3Family(family_lib.SectionFamily, pipeline_lib.PooledText, pipeline_lib.ImageLatents):
   """The MMDiT of SD3 / SD3.5 on (16, H/8, W/8) latents with its text encoders and VAE, from config.sd3."""
 
   name = 'sd3'
   section = 'sd3'
   LOGICAL_RULES = LOGICAL_RULES
   resume_safe_keys = ('sd3.checkpoint', 'sd3.vae_checkpoint', 'sd3.text_encoders')
-  TEXT_FIELDS = {'text': 'text_embedding', 'pooled': 'pooled_embedding'}
-  DECODE_PERM = (0, 2, 3, 1)             # (M, 3, H, W) -> (M, H, W, 3)
   vae_checkpoint_key = 'config.sd3.vae_checkpoint'
   weights_source = '<diffusers SD3.5 folder>'
   text_encoder_key = 'sd3.text_encoders'
@@ -128,23 +125,8 @@ class SD3Family(family_lib.SectionFamily, pipeline_lib.LatentPipeline):
   def make_text_encoder(self):
     return text_encoders(self.c)
 
-  def encode_text(self, encoder, prompts):
-    text, pooled = encoder.encode(prompts, max_sequence_length=self.c.max_sequence_length)
-    return dict(text_embedding=text, pooled_embedding=pooled)
-
   def text_shapes(self):
     return dict(text=(self.text_length, self.dit.joint_attention_dim), pooled=(self.dit.pooled_projection_dim,))
-
-  def build_vae(self):
-    return autoencoder_kl.AutoencoderKL(self.vae_cfg, rngs=nnx.Rngs(self.c.vae_seed))
-
-  def media_to_pixels(self, media_u8):
-    """(B, 1, R, R, 3) uint8 -> (B, 3, R, R) float32 in [-1, 1]."""
-    return np.transpose(media_u8[:, 0].astype(np.float32) / 127.5 - 1.0, (0, 3, 1, 2))
-
-  def convert_models(self):
-    """The converter model names of this family's DiT (by config.sd3.model) and VAE."""
-    return self.c.model, self.convert_vae
 
   def build(self, key):
     return mmdit.MMDiT(self.dit, rngs=nnx.Rngs(key))
@@ -172,32 +154,11 @@ class SD3Family(family_lib.SectionFamily, pipeline_lib.LatentPipeline):
 FAMILIES = {'sd3': SD3Family}
 
 
-def _state_of(abstract_module, pure):
-  state = nnx.state(abstract_module, nnx.Param)
-  nnx.replace_by_pure_dict(state, pure)
-  return state
-
-
-def _convert_dit(state_dict, config):
-  pure = sd3_convert.from_diffusers_state_dict(state_dict, config)
-  return _state_of(mmdit.abstract_model(config), pure), 'diffusers'
-
-
-def _convert_vae(state_dict, config):
-  pure = autoencoder_kl_convert.from_diffusers_state_dict(state_dict, config)
-  return _state_of(autoencoder_kl.abstract_model(config), pure), 'diffusers'
-
-
 def _dit_converter(preset):
-  return family_lib.Converter(make_config=lambda param_dtype: preset(param_dtype=param_dtype),
-                              abstract=mmdit.abstract_model, convert=_convert_dit, subfolder='transformer')
-
-
-def _vae_converter(preset):
-  return family_lib.Converter(make_config=lambda param_dtype: preset(param_dtype=param_dtype),
-                              abstract=autoencoder_kl.abstract_model, convert=_convert_vae, subfolder='vae')
+  return family_lib.preset_converter(preset, mmdit.abstract_model, sd3_convert.state_from_diffusers, 'transformer')
 
 
 CONVERTERS = {'sd35_medium': _dit_converter(mmdit.sd35_medium), 'sd35_large': _dit_converter(mmdit.sd35_large),
-              'sd3_tiny': _dit_converter(mmdit.tiny), 'sd35_vae': _vae_converter(autoencoder_kl.sd35),
-              'sd3_vae_tiny': _vae_converter(autoencoder_kl.tiny)}
+              'sd3_tiny': _dit_converter(mmdit.tiny),
+              'sd35_vae': autoencoder_kl_convert.converter(autoencoder_kl.sd35),
+              'sd3_vae_tiny': autoencoder_kl_convert.converter(autoencoder_kl.tiny)}

@@ -48,7 +48,6 @@ from ddrl_jax.models import layers
 from ddrl_jax.models.layers import IMAGE_NAMES
 from ddrl_jax.models.layers import IMAGE_QKV_NAMES
 from ddrl_jax.models.layers import JOINT_DIT_LOGICAL_RULES
-from ddrl_jax.models.layers import REMAT_POLICIES
 from ddrl_jax.models.layers import TEXT_NAMES
 from ddrl_jax.models.layers import TEXT_QKV_NAMES
 from ddrl_jax.models.layers import TIME_FREQ_DIM
@@ -118,8 +117,7 @@ class MMDiTConfig:
       raise ValueError('pos_embed_max_size=None (an uncropped, interpolated table) is not supported')
     if self.inner_dim % 4:
       raise ValueError(f'model width {self.inner_dim}: the 2-D sin-cos table needs a multiple of 4')
-    if self.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f'remat_policy={self.remat_policy!r} not in {sorted(REMAT_POLICIES)}')
+    layers.check_remat_policy(self.remat_policy)
     bad = [i for i in self.dual_attention_layers if not 0 <= i < self.num_layers]
     if bad:
       raise ValueError(f'dual_attention_layers {bad} outside 0..{self.num_layers - 1}')
@@ -398,13 +396,7 @@ class TimeTextEmbed(nnx.Module):
 
 def _stacked_blocks(cfg, n, rngs, *, dual):
   """n JointBlocks (not context-pre-only) with every parameter stacked on a leading 'layers' axis."""
-
-  @nnx.split_rngs(splits=n)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-  def make(r):
-    return JointBlock(cfg, r, dual=dual, context_pre_only=False)
-
-  return make(rngs)
+  return layers.stacked(lambda r: JointBlock(cfg, r, dual=dual, context_pre_only=False), n, rngs)
 
 
 class MMDiT(nnx.Module):
@@ -428,25 +420,15 @@ class MMDiT(nnx.Module):
     p = cfg.patch_size
     self.proj_out = _dense(d, p * p * cfg.out_channels, ('embed', None), rngs, jnp.float32, cfg)
 
-  def _remat(self, fn):
-    policy = self.config.remat_policy
-    if policy not in REMAT_POLICIES:
-      raise ValueError(f'remat_policy={policy!r} not in {sorted(REMAT_POLICIES)}')
-    if policy == 'none':
-      return fn
-    return nnx.remat(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
-
   def _scan(self, blocks, x, c, temb_act):
-    """Runs a stacked block module over the (image, text) residuals with nnx.scan."""
+    """Runs a stacked block module over the (image, text) residuals (`layers.scan_blocks`)."""
     if blocks is None:
       return x, c
 
     def body(block, carry):
       return block(carry[0], carry[1], temb_act)
 
-    scan = nnx.scan(self._remat(body), in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
-                    transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    return scan(blocks, (x, c))
+    return layers.scan_blocks(body, blocks, (x, c), self.config.remat_policy)
 
   def __call__(self, x, timestep, encoder_hidden_states, pooled_projections):
     """Velocity prediction of SD3.
@@ -467,7 +449,7 @@ class MMDiT(nnx.Module):
     txt = constrain(txt, TEXT_NAMES)
     img, txt = self._scan(self.dual_blocks, img, txt, temb_act)
     img, txt = self._scan(self.joint_blocks, img, txt, temb_act)
-    img, _ = self._remat(lambda block, a, c: block(a, c, temb_act))(self.last_block, img, txt)
+    img, _ = layers.remat(lambda block, a, c: block(a, c, temb_act), cfg.remat_policy)(self.last_block, img, txt)
     scale, shift = self.norm_out(temb_act)
     out = self.proj_out(layer_norm(img, NORM_EPS) * (1 + scale) + shift)     # (B, S, p*p*C) as (p, q, c)
     out = unpatchify(out.reshape(b, 1, h // p, w // p, -1), (1, p, p), cfg.out_channels)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddrl_jax.models import checked_state
 from ddrl_jax.models import family as family_lib
 from ddrl_jax.models import pipeline as pipeline_lib
 from ddrl_jax.models import video_vae
@@ -124,10 +125,6 @@ class WanFamily(family_lib.SectionFamily, pipeline_lib.LatentPipeline):
     """(B, F, H, W, 3) uint8 -> (B, 3, F, H, W) float32 in [-1, 1]."""
     return np.transpose(media_u8.astype(np.float32) / 127.5 - 1.0, (0, 4, 1, 2, 3))
 
-  def convert_models(self):
-    """The converter model names of this family's DiT (by config.wan.model) and VAE."""
-    return self.c.model, self.convert_vae
-
   def build(self, key):
     return wan_dit.WanDiT(self.dit, rngs=nnx.Rngs(key))
 
@@ -158,24 +155,16 @@ def _convert_vae(state_dict, config):
   return video_vae_convert.convert_diffusers_vae_state_dict(state_dict, config), 'diffusers'
 
 
-def _convert_dit(state_dict, config):
-  abstract = nnx.eval_shape(lambda: wan_dit.WanDiT(config, rngs=nnx.Rngs(0)))
-  state = nnx.state(abstract, nnx.Param)
-  nnx.replace_by_pure_dict(state, transformer_convert.from_diffusers_state_dict(state_dict, config))
-  return state, 'diffusers'
-
-
-def _converter(preset, convert, subfolder, abstract):
-  return family_lib.Converter(make_config=lambda param_dtype: preset(param_dtype=param_dtype),
-                              abstract=abstract, convert=convert, subfolder=subfolder)
-
-
 _vae_abstract = lambda config: video_vae_convert.abstract_params(config)[0]
 _dit_abstract = lambda config: nnx.eval_shape(lambda: wan_dit.WanDiT(config, rngs=nnx.Rngs(0)))
-CONVERTERS = {
-    'wan21_vae': _converter(video_vae.wan21, _convert_vae, 'vae', _vae_abstract),
-    'wan_tiny': _converter(video_vae.tiny, _convert_vae, 'vae', _vae_abstract),
-    'wan1_3b': _converter(wan_dit.wan1_3b, _convert_dit, 'transformer', _dit_abstract),
-    'wan14b': _converter(wan_dit.wan14b, _convert_dit, 'transformer', _dit_abstract),
-    'wan_dit_tiny': _converter(wan_dit.tiny, _convert_dit, 'transformer', _dit_abstract),
-}
+
+
+def _convert_dit(state_dict, config):
+  pure = transformer_convert.from_diffusers_state_dict(state_dict, config)
+  return checked_state.param_state(_dit_abstract(config), pure), 'diffusers'
+
+
+_vae = lambda preset: family_lib.preset_converter(preset, _vae_abstract, _convert_vae, 'vae')
+_dit = lambda preset: family_lib.preset_converter(preset, _dit_abstract, _convert_dit, 'transformer')
+CONVERTERS = {'wan21_vae': _vae(video_vae.wan21), 'wan_tiny': _vae(video_vae.tiny),
+              'wan1_3b': _dit(wan_dit.wan1_3b), 'wan14b': _dit(wan_dit.wan14b), 'wan_dit_tiny': _dit(wan_dit.tiny)}

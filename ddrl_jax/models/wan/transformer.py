@@ -36,7 +36,6 @@ from flax import nnx
 
 from ddrl_jax.models import attention as attention_lib
 from ddrl_jax.models import layers
-from ddrl_jax.models.layers import REMAT_POLICIES
 from ddrl_jax.models.layers import RMSNorm
 from ddrl_jax.models.layers import apply_rope_interleaved
 from ddrl_jax.models.layers import compute_cast_fn  # noqa: F401  pylint: disable=unused-import
@@ -306,29 +305,17 @@ class ConditionEmbedder(nnx.Module):
     return temb, proj, self.text_embedder(text.astype(self.cfg.dtype))
 
 
-def _stacked_blocks(cfg, rngs):
-  """cfg.num_layers Blocks with every parameter stacked on a leading 'layers' axis."""
-
-  @nnx.split_rngs(splits=cfg.num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-  def make(r):
-    return Block(cfg, r)
-
-  return make(rngs)
-
-
 class WanDiT(nnx.Module):
   """The Wan2.1 text-to-video DiT (diffusers `WanTransformer3DModel`, T2V)."""
 
   def __init__(self, config, *, rngs):
     cfg = self.config = config
     d = cfg.dim
-    if cfg.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f'remat_policy={cfg.remat_policy!r} not in {sorted(REMAT_POLICIES)}')
+    layers.check_remat_policy(cfg.remat_policy)
     self.patch_embedding = _linear(cfg.patch_in_features, d, (None, 'embed'), rngs, dtype=cfg.dtype,
                                    param_dtype=cfg.param_dtype, bias=True)
     self.condition_embedder = ConditionEmbedder(cfg, rngs)
-    self.blocks = _stacked_blocks(cfg, rngs)
+    self.blocks = layers.stacked(lambda r: Block(cfg, r), cfg.num_layers, rngs)
     self.proj_out = _linear(d, cfg.patch_out_features, ('embed', None), rngs, dtype=jnp.float32,
                             param_dtype=cfg.param_dtype, bias=True)
     init = nnx.initializers.normal(1.0 / math.sqrt(d))
@@ -336,17 +323,12 @@ class WanDiT(nnx.Module):
                                        out_sharding=(None, 'embed'), eager_sharding=False)
 
   def _run_blocks(self, x, context, timestep_proj, rope):
-    """Scans the stacked blocks over the float32 residual x (B, T', H'W', D)."""
-    policy_name = self.config.remat_policy
+    """Scans the stacked blocks over the float32 residual x (B, T', H'W', D) (`layers.scan_blocks`)."""
 
     def body(block, carry):
       return constrain(block(carry, context, timestep_proj, rope), RESIDUAL_NAMES)
 
-    if policy_name != 'none':
-      body = nnx.remat(body, policy=REMAT_POLICIES[policy_name], prevent_cse=False)
-    scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
-                    transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    return scan(self.blocks, x)
+    return layers.scan_blocks(body, self.blocks, x, self.config.remat_policy)
 
   def __call__(self, x, timestep, encoder_hidden_states):
     """x (B, C, T, H, W) latents, timestep (B,) on 0..1000, encoder_hidden_states (B, L, text_dim)

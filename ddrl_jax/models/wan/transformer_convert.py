@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ddrl_jax.models import checked_state
 from ddrl_jax.models.wan.transformer import WanDiT
 from ddrl_jax.models.wan.transformer import WanDiTConfig
 
@@ -35,9 +36,7 @@ _SHOW = 8                       # names listed per kind of error
 
 def abstract_params(config):
   """{path tuple: ShapeDtypeStruct} of WanDiT(config)'s nnx.Param leaves, from jax.eval_shape."""
-  abstract = nnx.eval_shape(lambda: WanDiT(config, rngs=nnx.Rngs(0)))
-  state = nnx.state(abstract, nnx.Param)
-  return {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(state)}
+  return checked_state.param_specs(nnx.eval_shape(lambda: WanDiT(config, rngs=nnx.Rngs(0))))
 
 
 def _diffusers_key(path):
@@ -89,25 +88,6 @@ def _to_diffusers(value, kind, config):
   return value
 
 
-def _nest(flat):
-  out = {}
-  for path, value in flat.items():
-    node = out
-    for p in path[:-1]:
-      node = node.setdefault(p, {})
-    node[path[-1]] = value
-  return out
-
-
-def _flatten(tree, prefix=()):
-  if isinstance(tree, dict):
-    out = {}
-    for k, v in tree.items():
-      out.update(_flatten(v, prefix + (str(k),)))
-    return out
-  return {prefix: tree}
-
-
 def _raise(what, misshaped, missing, unexpected):
   if not (misshaped or missing or unexpected):
     return
@@ -145,14 +125,14 @@ def from_diffusers_state_dict(state_dict, config):
       flat[path] = value.astype(spec.dtype)
   unexpected = sorted(k for k in state_dict if k not in used and not any(s in k for s in _IGNORED))
   _raise('diffusers WanTransformer3DModel -> WanDiT(config)', misshaped, missing, unexpected)
-  return _nest(flat)
+  return checked_state.nest(flat)
 
 
 def to_diffusers_state_dict(params, config):
   """Inverse of `from_diffusers_state_dict`: pure dict (or nnx.State of Params) -> {diffusers name: numpy}."""
   if isinstance(params, nnx.State):
     params = nnx.to_pure_dict(params)
-  flat = _flatten(params)
+  flat = checked_state.flatten(params)
   expected = abstract_params(config)
   misshaped = [f'{"/".join(p)}: {tuple(np.shape(flat[p]))}, want {tuple(s.shape)}'
                for p, s in expected.items() if p in flat and tuple(np.shape(flat[p])) != tuple(s.shape)]
