@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from configs import cosmos2b
+from configs import flux1_dev
 from configs import sd35m
 from configs import wan1_3b
 from ddrl_jax import preflight
@@ -28,6 +29,10 @@ FULL = [
       '--model=wan21_vae')),
     ('configs/cosmos2b.py', cosmos2b.get_config, '',
      ('config.cosmos.checkpoint', 'config.cosmos.text_encoder', 'config.data.path')),
+    ('configs/flux1_dev.py:dance_grpo', flux1_dev.get_config, 'dance_grpo',
+     ('config.flux.checkpoint', 'config.flux.vae_checkpoint', 'config.flux.text_encoders',
+      '--model=flux1_dev', '--model=flux1_vae', 'config.reward.kwargs.hpsv21.checkpoint',
+      'config.prompt.prompts')),
 ]
 
 
