@@ -22,8 +22,8 @@ Presets, each following one public recipe:
               flow SDE at noise_level 0.9, guidance 3.5, group 24, KL beta 0, clip 1e-4, lr 3e-4, LoRA r32
               a64 (gaussian init) on the attention projections, bf16. Difference: one rollout batch of 24
               groups per optimizer step (FlowGRPO accumulates over its GPUs' batches of 3).
-  dance_grpo: XueZeyue/DanceGRPO scripts/finetune/finetune_flux_grpo_lora.sh / fastvideo/train_grpo_flux.py
-              (its LoRA variant): HPSv2.1 and CLIP score rewards (the DanceGRPO paper's FLUX rewards), 720
+  dance_grpo: XueZeyue/DanceGRPO scripts/finetune/finetune_flux_grpo.sh + fastvideo/train_grpo_flux.py with
+              the LoRA setting its README gives for FLUX: HPSv2.1 and CLIP score rewards (the DanceGRPO paper's FLUX rewards), 720
               x 720, 12 steps of its SDE at eta 0.3 with shift 3, group 12, a random 60% of the 11 trained
               transitions per rollout, no KL, lr 3e-4, LoRA r128 a256 on to_q/to_k/to_v/to_out.0, bf16,
               guidance 3.5. Difference: one prompt group per data-parallel position in each step,
