@@ -141,6 +141,11 @@ def _bound(apply_fn, cast_params, params):
   return apply_fn, cast_params(params)
 
 
+def _slot_view(a):
+  """(B, N, ...) -> (B*N, 1, ...): each rollout slot as a group of one (slot b*N + n is rollout n of b)."""
+  return a.reshape((a.shape[0] * a.shape[1], 1) + a.shape[2:])
+
+
 def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None, batch_shards=1):
   """The update in two pure halves, so the data term can run while rewards are pending.
 
@@ -175,8 +180,7 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None, batc
   def per_slot(traj, steps, key):
     """(traj (S, 1, ...), steps (S, 1, K), per-slot keys (S, 1)) of group-layout (B, N, ...) inputs."""
     b, n = steps.shape[:2]
-    slot = lambda a: a.reshape((b * n, 1) + a.shape[2:])
-    return jax.tree.map(slot, traj), slot(steps), slot(rl_lib.slot_keys(key, b, n))
+    return jax.tree.map(_slot_view, traj), _slot_view(steps), _slot_view(rl_lib.slot_keys(key, b, n))
 
   def prepare(rollout, key):
     k_steps, k_loss = jax.random.split(key)
@@ -228,8 +232,6 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None, batc
                                              rollout.cond, None, k_loss, options, old_params=old, valid=valid)
     else:
       mean_total = algo.mean_total(advantages, valid, options, num_chunks)
-      b, n = advantages.shape
-      slot = lambda a: a.reshape((b * n, 1) + a.shape[2:])
 
       def body(acc, xs):
         traj_c, steps_c, keys_c, adv_c, valid_c, cond_c = xs
@@ -238,7 +240,7 @@ def make_update_fns(apply_fn, sampler, config, optimizer, cast_params=None, batc
         return rl_lib.accumulate(acc, g, 1.0 / num_chunks), m
 
       grads, per_chunk = jax.lax.scan(body, rl_lib.f32_zeros(trained), chunks(
-          per_slot(traj, steps, k_loss) + (slot(advantages), slot(valid), rollout.cond)))
+          per_slot(traj, steps, k_loss) + (_slot_view(advantages), _slot_view(valid), rollout.cond)))
       metrics = {k: v.max() if k in algo.MAX_METRICS else v.mean() for k, v in per_chunk.items()}
     if grads_data is not None:
       grads = jax.tree.map(jnp.add, grads, grads_data)
