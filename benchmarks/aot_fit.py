@@ -8,8 +8,10 @@
 For each recipe and slice (smallest first) the sweep looks for the largest micro-batch whose rollout,
 data gradient and update all fit with --margin (10%) of the chip's memory to spare: the candidates are the
 divisors of the recipe's rollout slots per data-parallel position (`ddrl_jax.aot.micro_batch_candidates`;
-the largest is the whole batch, micro_batch 0), searched by bisection on the assumption that memory
-falls as the chunk shrinks (the first candidate, the whole batch, is always compiled). A slice that fits
+the largest is the whole batch, micro_batch 0), searched on the assumption that memory falls as the chunk
+shrinks: the whole batch first, then the smallest candidate (if even one slot per chunk does not fit, the
+slice is out after two compiles), then a bisection between them. Within a micro-batch, a function that
+failed at a larger one compiles first, so a failing candidate usually costs one compile. A slice that fits
 at some micro-batch ends the recipe's search: it is the recipe's smallest slice.
 
 Each compile is `python -m ddrl_jax.aot --fns=<fn> --config.micro_batch=<m>` in its own process. A
@@ -125,8 +127,10 @@ class Sweep:
     """Whether every function fits with the margin at `micro` (compiling what is not recorded yet)."""
     hbm_gib = self.args.hbm_gib
     have = {self.key(r): r for r in self.rows}
+    failed_before = {r['fn'] for r in self.rows if (r['recipe'], r['topology'], r.get('hbm_gib', 0.0)) == (
+        recipe, topology, hbm_gib) and r['outcome'] != 'fits'}
     ok = True
-    for fn in FUNCTIONS:
+    for fn in sorted(FUNCTIONS, key=lambda fn: fn not in failed_before):
       row = have.get((recipe, topology, hbm_gib, micro, fn))
       if row is None:
         row = dict(compile_one(recipe, topology, fn, micro, hbm_gib, self.args.timeout_s), recipe=recipe,
@@ -142,8 +146,8 @@ class Sweep:
     return ok
 
   def best_micro_batch(self, recipe, topology):
-    """The largest candidate that fits (bisection over the candidates), or None (also when the recipe's
-    mesh cannot be laid on the slice: printed)."""
+    """The largest candidate that fits (the whole batch, else the smallest, else a bisection between),
+    or None (also when the recipe's mesh cannot be laid on the slice: printed)."""
     from ddrl_jax import config as config_lib  # pylint: disable=g-import-not-at-top
     try:
       cands = candidates(recipe, topology)
@@ -153,7 +157,9 @@ class Sweep:
     as_config = lambda m: 0 if m == cands[0] else m
     if self.fits(recipe, topology, as_config(cands[0])):
       return 0
-    lo, hi, best = 1, len(cands) - 1, None           # cands[lo..hi] untested, descending sizes
+    if len(cands) == 1 or not self.fits(recipe, topology, cands[-1]):
+      return None
+    lo, hi, best = 1, len(cands) - 2, cands[-1]      # cands[lo..hi] untested, descending sizes
     while lo <= hi:
       mid = (lo + hi) // 2
       if self.fits(recipe, topology, as_config(cands[mid])):

@@ -49,7 +49,7 @@ def _sweep(tmp_path, monkeypatch, fits_at_or_below, crash_above=None):
 def test_bisection_finds_the_largest_fitting_micro_batch_and_a_crash_does_not_stop_it(tmp_path, monkeypatch):
   sweep, ran, _ = _sweep(tmp_path, monkeypatch, fits_at_or_below=16, crash_above=36)
   assert sweep.best_micro_batch('r', 'v5p-8') == 16
-  assert len({m for m, _ in ran}) <= 5                     # the whole batch plus a bisection, not 15
+  assert len({m for m, _ in ran}) <= 6     # the whole batch, the smallest, a bisection of the 13 between
   assert any(r['outcome'] == 'libtpu_crash' for r in sweep.rows)
   report = aot_fit.report(sweep.rows, 0.1)
   assert '| r | v5p-8 | HBM | 16 |' in report and 'libtpu_crash' in report
@@ -63,6 +63,27 @@ def test_a_resumed_sweep_compiles_nothing_twice(tmp_path, monkeypatch):
   assert again.best_micro_batch('r', 'v5p-8') == 4 and len(ran) == first
 
 
-def test_nothing_fits_gives_none(tmp_path, monkeypatch):
-  sweep, _, _ = _sweep(tmp_path, monkeypatch, fits_at_or_below=0)
+def test_nothing_fits_gives_none_after_the_whole_batch_and_the_smallest_chunk(tmp_path, monkeypatch):
+  sweep, ran, _ = _sweep(tmp_path, monkeypatch, fits_at_or_below=0)
   assert sweep.best_micro_batch('r', 'v5p-8') is None
+  assert [m for m, _ in ran] == [0, 1]                     # one compile each: the first function fails
+
+
+def test_a_function_that_failed_before_compiles_first(tmp_path, monkeypatch):
+  sweep, ran, _ = _sweep(tmp_path, monkeypatch, fits_at_or_below=16)
+  fail_update_only = aot_fit.compile_one
+
+  def compile_one(recipe, topology, fn, micro, hbm_gib, timeout_s):
+    row = fail_update_only(recipe, topology, fn, micro, hbm_gib, timeout_s)
+    if fn != 'update':                                    # only the update's memory depends on micro
+      row = dict(row, fits=True, spare_fraction=0.5, outcome='fits')
+    return row
+  monkeypatch.setattr(aot_fit, 'compile_one', compile_one)
+  assert sweep.best_micro_batch('r', 'v5p-8') == 16
+  assert ran[:3] == [(0, 'rollout'), (0, 'data_grads'), (0, 'update')]
+  by_micro = {}
+  for m, fn in ran[3:]:
+    by_micro.setdefault(m, []).append(fn)
+  too_big = [m for m in by_micro if m > 16]
+  assert too_big and all(by_micro[m] == ['update'] for m in too_big)   # one compile per failing candidate
+  assert sorted(by_micro[16]) == ['data_grads', 'rollout', 'update']   # the answer has all three peaks
