@@ -6,7 +6,8 @@ from ddrl_jax.parallel import rules
 
 def base_config():
   """Every key the trainer reads, with cosmos-rl's DDRL defaults (nvidia-cosmos/cosmos-rl, cosmos_rl/policy/config and
-  configs/cosmos-predict2-5/*-ddrl.toml)."""
+  configs/cosmos-predict2-5/*-ddrl.toml), except rl.data_weighting: 'path_kl', not cosmos-rl's t^2 + (1-t)^2
+  (presets that reproduce cosmos-rl name 'cosmos_rl')."""
   c = ml_collections.ConfigDict()
   c.task = ''
   # The network (ddrl_jax/models/family.py FAMILIES); '' = the task's own (toy2d: mlp, ocr: cosmos_t2i,
@@ -63,7 +64,10 @@ def base_config():
       data_loss_steps='full',   # 'full', 'first' (cosmos-rl data_on_first_only) or 'random_step'
       data_noise='rollout',     # 'rollout' or 'fresh'
       cond_dropout=0.2,
-      data_weighting='cosmos_rl',  # 'cosmos_rl' (t^2+(1-t)^2), 'path_kl', 'eps_mse' (paper's, (1-t)^2), 'none'
+      # 'path_kl' (the sampler's exact per-step path-KL weight), 'cosmos_rl' (t^2+(1-t)^2), 'eps_mse'
+      # (the paper's Algorithm 1, (1-t)^2) or 'none'. The one default that is not cosmos-rl's: its weighting
+      # collapsed DDRL on a base off the data at equal total weight (issue 45, README "DDRL's data term").
+      data_weighting='path_kl',
       kl_beta=0.0,
       kl_form='exact',          # 'exact' (Gaussian step KL) or 'flow_grpo' (FlowGRPO's code: x |dt|)
       loss_scale=10.0,
@@ -184,6 +188,7 @@ def apply_algorithm_preset(config, preset):
     # each step's loss by len(train_on), with weight data_beta / K.
     config.algorithm = 'ddrl'
     rl.data_loss_steps = 'first'
+    rl.data_weighting = 'cosmos_rl'             # cosmos-rl's variant keeps cosmos-rl's weighting
   elif preset == 'ddrl_reduced_random':
     # The paper's reduced variant ("randomly sample t"): the data term at one random trained step per
     # rollout with weight data_beta, i.e. K times cosmos-rl's data_on_first_only weight. Not in cosmos-rl.

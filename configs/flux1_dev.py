@@ -29,7 +29,8 @@ Presets, each following one public recipe:
               guidance 3.5. Difference: one prompt group per data-parallel position in each step,
               4 groups per optimizer step (DanceGRPO: 1 prompt per GPU, grad_accum 4).
   ddrl:       the DDRL paper's image setting (arXiv 2512.04332 section 4.2: regularized with the base model's
-              own samples) on flow_grpo's shape and reward: data_beta 0.01 on config.data.base_samples made
+              own samples) on flow_grpo's shape and reward: data_beta 0.067 on the path-KL weighting (cosmos-rl's
+              0.01 at the same total weight) on config.data.base_samples made
               by the trainer on its first run, the data term at every other trained step with the
               condition dropped 20% of the time.
 
@@ -109,7 +110,9 @@ def get_config(arg='flow_grpo'):
     o.ema_power_s = 0.1
     c.reward.fns = ml_collections.ConfigDict({'pickscore': 1.0})
   if preset == 'ddrl':
-    rl.data_beta = 0.01
+    # cosmos-rl's 0.01 x its t^2 + (1-t)^2 weight, carried on the path-KL weighting (the default): 0.01 x
+    # 2.168 / 0.324 over these trained steps.
+    rl.data_beta = 0.067
     rl.data_loss_steps = 'full'
     rl.data_noise = 'fresh'          # the base's samples: no rollout noise belongs to them
     rl.cond_dropout = 0.2

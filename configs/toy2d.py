@@ -48,6 +48,10 @@ def get_config(arg='ddrl_exact'):
   config.reward.workers = 0
   config.reward.chunk_size = 4096
   common.apply_algorithm_preset(config, arg)
+  if arg != 'ddrl_exact':
+    # DDRL as practiced in cosmos-rl, on its sampler, keeps its data weighting by name (the path-KL
+    # weight of cosmos_2ab's last steps is 10 to 50 times t^2 + (1-t)^2).
+    config.rl.data_weighting = 'cosmos_rl'
   if arg == 'ddrl_exact':
     # Z = beta log E_pdata[exp(r / beta)] in closed form (the paper's Z is under the reference model; a
     # per-group on-policy estimate has no fixed point at p*, see benchmarks/RESULTS.md).

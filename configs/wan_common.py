@@ -25,8 +25,9 @@ an optional reward (`--config.reward.fns="{'ocr': 1.0, 'temporal_smoothness': 0.
 Presets:
   ddrl:       the paper's (arXiv 2512.04332) recipe adapted as configs/sd35m.py adapts it: the base model's
               own samples as data (data.base_samples), no classifier-free guidance anywhere (guidance 1;
-              the data term drops the condition 20% of the time), cosmos-rl's DDRL keys (data_beta 0.01,
-              every other of the 20 steps trained, loss scale 10), aligned with FlowGRPO's Wan run: its
+              the data term drops the condition 20% of the time), cosmos-rl's DDRL keys (every other of the
+              20 steps trained, loss scale 10; data_beta 0.081 on the path-KL weighting, cosmos-rl's 0.01 at
+              the same total weight), aligned with FlowGRPO's Wan run: its
               flow SDE (noise 0.7), group 4, lr 1e-4, clip 1e-3, per-group advantage std.
   flow_grpo:  yifan123/flow_grpo config/grpo.py `general_ocr_wan2_1` (+ config/base.py,
               scripts/train_wan2_1.py): 20 training / 50 evaluation steps (evaluation at noise 0), guidance
@@ -112,7 +113,9 @@ def get_config(model, arg='flow_grpo'):
   if preset == 'flow_grpo':
     rl.kl_beta = 0.004              # general_ocr_wan2_1: train.beta
   if preset == 'ddrl':
-    rl.data_beta = 0.01             # cosmos-rl's value
+    # cosmos-rl's 0.01 x its t^2 + (1-t)^2 weight, carried on the path-KL weighting (the default): 0.01 x
+    # 7.096 / 0.872 over these trained steps.
+    rl.data_beta = 0.081
     rl.data_loss_steps = 'full'
     rl.data_noise = 'fresh'         # synthetic data: no rollout noise belongs to them
     rl.cond_dropout = 0.2

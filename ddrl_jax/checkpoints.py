@@ -41,6 +41,15 @@ ADDED_KEY_DEFAULTS = {
     'data.base_samples': 0, 'data.base_samples_dir': '', 'micro_batch': 0,
 }
 
+# The data term's keys: moot for an algorithm without one (a FlowGRPO run resumes whatever they say).
+DATA_TERM_KEYS = ('rl.data_beta', 'rl.data_loss_steps', 'rl.data_noise', 'rl.cond_dropout',
+                  'rl.data_weighting')
+
+
+def _uses_data_term(algorithm):
+  from ddrl_jax.rl import registry  # pylint: disable=g-import-not-at-top
+  return algorithm not in registry.ALGORITHMS or registry.ALGORITHMS[algorithm].uses_data
+
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be resumed; the message names its path."""
@@ -143,6 +152,8 @@ def config_differences(saved, current, extra_safe=()):
            if a.get(k, '<absent>') != b.get(k, '<absent>')]
   if a.get('lora.rank', 0) == 0 and b.get('lora.rank', 0) == 0:   # no adapters: their settings are moot
     diffs = [d for d in diffs if not d[0].startswith('lora.')]
+  if not (_uses_data_term(a.get('algorithm')) or _uses_data_term(b.get('algorithm'))):
+    diffs = [d for d in diffs if d[0] not in DATA_TERM_KEYS]      # no data term: its settings are moot
   return ([d for d in diffs if _safe(d[0], extra_safe)], [d for d in diffs if not _safe(d[0], extra_safe)])
 
 

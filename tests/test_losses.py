@@ -302,7 +302,8 @@ def test_ddrl_data_loss_full_and_reduced(rollouts, tiny_mlp):
   def both(tr):
     out = {}
     for steps_opt in ('full', 'reduced'):
-      data = rl.DataTerm(_data_x0(), _cond(), beta=0.01, steps=steps_opt, cond_dropout=0.0)
+      data = rl.DataTerm(_data_x0(), _cond(), beta=0.01, steps=steps_opt, cond_dropout=0.0,
+                         weighting='cosmos_rl')
       out[steps_opt] = rl.ddrl_loss(tiny_mlp.apply_fn, tiny_mlp.params, s, tr, _advantages(),
                                     _steps(train_steps), _cond(), data, jax.random.key(2), loss_scale=10.0)
     return out

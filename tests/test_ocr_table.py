@@ -323,9 +323,19 @@ def test_overrides_arms_and_plans_build_the_configs_they_name():
   c = ocr_table.make_config('flow_grpo_exact_kl@rl.kl_beta=0.1@ocr.base_checkpoint=checkpoints/x')
   assert (c.rl.kl_beta, c.rl.kl_form, c.ocr.base_checkpoint) == (0.1, 'exact', 'checkpoints/x')
   data_only = ocr_table.make_config('ddrl_data_only')
-  assert data_only.rl.pg_weight == 0.0 and data_only.rl.data_beta == ocr_tiny.get_config('ddrl').rl.data_beta
+  assert data_only.rl.pg_weight == 0.0 and data_only.rl.data_beta == 0.01
+  # The tables' cells keep the data term they were recorded with (cosmos-rl's weighting at 0.01), whatever
+  # the preset's default became; Theorem 3.1's preset keeps its own.
+  table, preset = ocr_table.make_config('ddrl'), ocr_tiny.get_config('ddrl')
+  assert (table.rl.data_weighting, table.rl.data_beta) == ('cosmos_rl', 0.01)
+  assert (preset.rl.data_weighting, preset.rl.data_beta) == ('path_kl', 0.03)
+  assert ocr_table.make_config('flow_grpo_exact_kl').rl.data_weighting == 'cosmos_rl'
+  exact = ocr_table.make_config('ddrl_exact')
+  assert (exact.rl.data_weighting, exact.rl.data_beta) == ('path_kl', 1.0)
+  path_kl = ocr_table.make_config('ddrl@rl.data_weighting=path_kl@rl.data_beta=0.1')
+  assert (path_kl.rl.data_weighting, path_kl.rl.data_beta) == ('path_kl', 0.1)
   recipe = ocr_table.make_config('flow_grpo_ddrl_recipe')
-  ddrl = ocr_tiny.get_config('ddrl')
+  ddrl = ocr_table.make_config('ddrl')           # the table's DDRL, as the control was recorded against
   differs = {k for k, v in recipe.rl.items() if ddrl.rl[k] != v}
   # Only the regularizer differs; train_steps spells out what DDRL's None (its algorithm's default) means.
   from ddrl_jax import rl  # pylint: disable=g-import-not-at-top

@@ -25,6 +25,8 @@ def _sd3():
 def _ocr():
   c = ocr_tiny.get_config('ddrl')
   c.lora.rank = 4
+  # The data term the run was written with (the presets' default before issue 45 chose path_kl at 0.03).
+  c.rl.data_weighting, c.rl.data_beta = 'cosmos_rl', 0.01
   return c
 
 

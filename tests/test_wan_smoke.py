@@ -43,7 +43,8 @@ def test_presets_carry_their_recipes(module):
   assert dance.rl.adv_clip == 5.0 and dance.sampler.kind == 'dance_sde' and dance.sampler.eta == 0.3
   # DDRL: no CFG, the data term on the base's own samples, every other step trained.
   assert (ddrl.prompt.guidance_rollout, ddrl.prompt.guidance_eval) == (1.0, 1.0)
-  assert ddrl.rl.data_beta == 0.01 and ddrl.rl.cond_dropout == 0.2 and ddrl.rl.data_noise == 'fresh'
+  assert (ddrl.rl.data_weighting, ddrl.rl.data_beta) == ('path_kl', 0.081)    # cosmos-rl's 0.01 in strength
+  assert ddrl.rl.cond_dropout == 0.2 and ddrl.rl.data_noise == 'fresh'
   assert ddrl.rl.train_steps == tuple(range(0, 19, 2))
   with pytest.raises(ValueError, match='unknown config arg'):
     module.get_config('grpo')

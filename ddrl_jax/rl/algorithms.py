@@ -88,8 +88,9 @@ class DataTerm:
     paper's "randomly sample t": N(1 + |T|) calls). 'reduced' is an alias of 'random_step'.
   noise: 'rollout' (the rollout's initial noise, cosmos-rl's use_rl_sigma_and_noise) or 'fresh'.
   cond_dropout: probability of the null (zero) condition per sample.
-  weighting: 'cosmos_rl' (t^2 + (1-t)^2; 'cosmos' is its old name), 'path_kl' (the sampler's exact
-    per-step KL weight), 'eps_mse' ((1-t)^2: the paper's Algorithm 1, an unweighted epsilon-MSE) or 'none'.
+  weighting: 'path_kl' (the sampler's exact per-step KL weight; the default), 'cosmos_rl' (t^2 + (1-t)^2,
+    cosmos-rl's; 'cosmos' is its old name), 'eps_mse' ((1-t)^2: the paper's Algorithm 1, an unweighted
+    epsilon-MSE) or 'none'. `total_data_weight` compares two weightings' strengths.
   """
   x0: Any
   cond: Any
@@ -97,7 +98,7 @@ class DataTerm:
   steps: str = 'full'
   noise: str = 'rollout'
   cond_dropout: float = 0.2
-  weighting: str = 'cosmos_rl'
+  weighting: str = 'path_kl'
 
   def __post_init__(self):
     object.__setattr__(self, 'weighting', options_lib.canonical(self.weighting))   # 'cosmos' -> 'cosmos_rl'
@@ -143,16 +144,36 @@ def _data_loss_at(apply_fn, params, sampler, inp, traj_noise, data, keys):
   else:
     noise = jax.vmap(lambda k: jax.random.normal(k, x0.shape[1:], x0.dtype))(k_noise.reshape(-1))
   cond = diffusion_loss.drop_condition(repeat_groups(data.cond, n), k_drop.reshape(-1), data.cond_dropout)
-  if data.weighting == 'cosmos_rl':
-    weight = None
-  elif data.weighting == 'path_kl':
-    weight = sampler.path_kl_weight(inp).reshape(-1)
-  elif data.weighting == 'eps_mse':
-    weight = diffusion_loss.eps_mse_weight(inp.t_in.reshape(-1))
-  else:
-    weight = jnp.ones((b * n,), jnp.float32)
+  weight = data_weight(sampler, data.weighting, inp).reshape(-1)
   return diffusion_loss.velocity_loss(apply_fn, params, x0, noise, inp.t_in.reshape(-1), cond,
                                       weight).mean()
+
+
+def data_weight(sampler, weighting, inp):
+  """The data term's per-sample weight at the step inputs `inp` (shape of `inp.t_in`): 'cosmos_rl'
+  t^2 + (1-t)^2, 'path_kl' the sampler's exact per-step path-KL weight, 'eps_mse' (1-t)^2, 'none' 1."""
+  weighting = options_lib.canonical(weighting)
+  t = inp.t_in
+  if weighting == 'cosmos_rl':
+    return diffusion_loss.cosmos_loss_weight(t)
+  if weighting == 'path_kl':
+    return sampler.path_kl_weight(inp)
+  if weighting == 'eps_mse':
+    return diffusion_loss.eps_mse_weight(t)
+  if weighting == 'none':
+    return jnp.ones_like(t, jnp.float32)
+  raise ValueError(f'data loss weighting must be one of {diffusion_loss.WEIGHTINGS}, got {weighting!r}')
+
+
+def total_data_weight(sampler, weighting, steps):
+  """Sum of the data term's weight over the trained `steps` of `sampler`'s schedule: with data_beta, the
+  data term's total strength (two weightings carry the same strength when beta * total agree)."""
+  sched = sampler.schedule()
+  idx = jnp.asarray(steps, jnp.int32)
+  zero = jnp.zeros((len(steps),), jnp.float32)
+  inp = jax.tree.map(lambda a: a[idx], sched._replace(x_in=None, x0_prev=None))._replace(x_in=zero,
+                                                                                        x0_prev=zero)
+  return float(jnp.sum(data_weight(sampler, weighting, inp)))
 
 
 def _step_inputs(picked):

@@ -22,7 +22,8 @@ functional loss's neutral scale, 10 in the configs, cosmos-rl's; a test keeps th
   data_loss_steps      'full', 'first' (cosmos-rl's data_on_first_only) or 'random_step' ('reduced')
   data_noise           'rollout' (the rollout's initial noise) or 'fresh'
   cond_dropout         the data term's null-condition probability
-  data_weighting       'cosmos_rl' (t^2 + (1-t)^2), 'path_kl', 'eps_mse' ((1-t)^2) or 'none'
+  data_weighting       'path_kl' (the sampler's exact per-step path-KL weight; the default), 'cosmos_rl'
+                       (t^2 + (1-t)^2), 'eps_mse' ((1-t)^2) or 'none'
   kl_beta, kl_form     the reverse KL to the reference: weight, 'exact' or 'flow_grpo'
   loss_scale           multiplies the whole loss (cosmos-rl: 10)
   nft_beta, nft_old_decay   DiffusionNFT's mixing strength and its old policy's EMA schedule
@@ -90,7 +91,7 @@ class RLOptions:
   data_loss_steps: str = 'full'
   data_noise: str = 'rollout'
   cond_dropout: float = 0.2
-  data_weighting: str = 'cosmos_rl'
+  data_weighting: str = 'path_kl'     # issue 45: cosmos-rl's shape collapses off the data (README)
   kl_beta: float = 0.0
   kl_form: str = 'exact'
   loss_scale: float = 1.0          # the functional loss's neutral scale; configs set cosmos-rl's 10
