@@ -13,7 +13,6 @@ from ddrl_jax import checkpoints
 from ddrl_jax import config as config_lib
 from ddrl_jax import rl
 from ddrl_jax import update
-from ddrl_jax.rl import algorithms
 from ddrl_jax.rl import options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +29,7 @@ def _config(recipe):
 
 def _totals(config):
   sampler, steps = update.make_sampler(config), config_lib.train_steps(config)
-  return {w: algorithms.total_data_weight(sampler, w, steps) for w in options.WEIGHTINGS}
+  return {w: rl.total_data_weight(sampler, w, steps) for w in options.WEIGHTINGS}
 
 
 def test_the_default_is_path_kl_wherever_a_user_meets_one():

@@ -11,6 +11,7 @@ from ddrl_jax.rl.advantages import normalized_rewards
 from ddrl_jax.rl.algorithms import Algorithm
 from ddrl_jax.rl.algorithms import DataTerm
 from ddrl_jax.rl.algorithms import data_loss
+from ddrl_jax.rl.algorithms import data_weight
 from ddrl_jax.rl.algorithms import data_loss_and_grad
 from ddrl_jax.rl.algorithms import accumulate
 from ddrl_jax.rl.algorithms import data_loss_reference
@@ -27,6 +28,7 @@ from ddrl_jax.rl.algorithms import rl_loss_and_grad
 from ddrl_jax.rl.algorithms import rl_loss_reference
 from ddrl_jax.rl.algorithms import slot_keys
 from ddrl_jax.rl.algorithms import step_kl
+from ddrl_jax.rl.algorithms import total_data_weight
 from ddrl_jax.rl.diffusion_loss import cosmos_loss_weight
 from ddrl_jax.rl.diffusion_loss import drop_condition
 from ddrl_jax.rl.diffusion_loss import velocity_loss
