@@ -106,12 +106,8 @@ def candidates(recipe, topology):
 
 
 def _load(recipe):
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  path, _, arg = recipe.partition(':')
-  spec = importlib.util.spec_from_file_location('recipe_config', os.path.join(ROOT, path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
+  from ddrl_jax import cli  # pylint: disable=g-import-not-at-top
+  return cli.load_config(os.path.join(ROOT, recipe))
 
 
 class Sweep:

@@ -66,7 +66,7 @@ def config_spec(argv):
   return None
 
 
-def _load_config(spec):
+def load_config(spec):
   """get_config(arg) of a `path[:arg]` config spec, loaded the way config_flags loads it."""
   path, _, arg = spec.partition(':')
   module_spec = importlib.util.spec_from_file_location('_ddrl_cli_config', path)
@@ -127,7 +127,7 @@ def _flag_error(e, argv):
     key = msg[len('flag --config.'):].split('=', 1)[0]
     spec = config_spec(argv)
     try:
-      kind = type(_config_node(_load_config(spec), key)).__name__
+      kind = type(_config_node(load_config(spec), key)).__name__
       fix = f'config.{key} takes {kind} values'
     except Exception:  # pylint: disable=broad-except
       fix = f'give config.{key} a value of its type'
@@ -160,7 +160,7 @@ def make_flags_parser(required=()):
       if spec is not None:
         check_config_file(spec)    # before absl and ml_collections: they defer this error to first use
         try:
-          _load_config(spec)       # an unknown preset or a broken config file, reported plainly
+          load_config(spec)       # an unknown preset or a broken config file, reported plainly
         except Exception as e:  # pylint: disable=broad-except
           raise UsageError(f'--config={spec}: {first_line(e)}',
                            'the preset is named after the colon, e.g. --config=FILE:ddrl'
@@ -170,7 +170,7 @@ def make_flags_parser(required=()):
       except flags.Error as e:
         raise _flag_error(e, argv) from e
       except (AttributeError, KeyError) as e:   # ml_collections: an override of a key the config lacks
-        unknown = _unknown_override(argv, _load_config(spec)) if spec else None
+        unknown = _unknown_override(argv, load_config(spec)) if spec else None
         if unknown is None:
           raise
         arg, key, err = unknown

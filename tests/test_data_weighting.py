@@ -2,7 +2,6 @@
 rl.DataTerm, the configs' base); the presets that took it carry cosmos-rl's data-term strength (data_beta
 0.01 with t^2 + (1-t)^2) over their own trained steps; the presets that reproduce cosmos-rl keep its
 weighting by name; a run without a data term resumes whatever its data keys say."""
-import importlib.util
 import os
 
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 
 from configs import common
 from ddrl_jax import checkpoints
+from ddrl_jax import cli
 from ddrl_jax import config as config_lib
 from ddrl_jax import rl
 from ddrl_jax import update
@@ -20,11 +20,7 @@ COSMOS_RL_BETA = 0.01
 
 
 def _config(recipe):
-  path, _, arg = recipe.partition(':')
-  spec = importlib.util.spec_from_file_location('recipe_config', os.path.join(ROOT, path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
+  return cli.load_config(os.path.join(ROOT, recipe))
 
 
 def _totals(config):
