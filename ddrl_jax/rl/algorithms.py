@@ -136,7 +136,7 @@ def repeat_groups(tree, n):
 def _data_loss_at(apply_fn, params, sampler, inp, traj_noise, data, keys):
   """Mean data loss over (B, N) at the noise levels of the step inputs `inp` ((B, N) scalars); keys (B, N)
   per-slot keys of this step."""
-  b, n = inp.t_in.shape
+  n = inp.t_in.shape[1]
   k_noise, k_drop = split_slot_keys(keys, 2)
   x0 = repeat_groups(data.x0, n)
   if data.noise == 'rollout':
@@ -168,11 +168,9 @@ def data_weight(sampler, weighting, inp):
 def total_data_weight(sampler, weighting, steps):
   """Sum of the data term's weight over the trained `steps` of `sampler`'s schedule: with data_beta, the
   data term's total strength (two weightings carry the same strength when beta * total agree)."""
-  sched = sampler.schedule()
   idx = jnp.asarray(steps, jnp.int32)
-  zero = jnp.zeros((len(steps),), jnp.float32)
-  inp = jax.tree.map(lambda a: a[idx], sched._replace(x_in=None, x0_prev=None))._replace(x_in=zero,
-                                                                                        x0_prev=zero)
+  zero = jnp.zeros((len(steps),), jnp.float32)      # placeholder states (path_kl_weight zeroes them)
+  inp = jax.tree.map(lambda a: a[idx], sampler.schedule())._replace(x_in=zero, x0_prev=zero)
   return float(jnp.sum(data_weight(sampler, weighting, inp)))
 
 
