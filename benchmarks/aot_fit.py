@@ -18,7 +18,8 @@ Each compile is `python -m ddrl_jax.aot --fns=<fn> --config.micro_batch=<m>` in 
 compile that kills the process (libtpu has died with signal 11 on programs far over a chip's memory
 instead of answering RESOURCE_EXHAUSTED) is recorded as outcome 'libtpu_crash', neither a fit nor a
 compiler out-of-memory verdict ('oom'), and counts as not fitting; the sweep goes on. Rows already in
---out are reused, so the sweep resumes where it stopped.
+--out are reused (re-read before every micro-batch), so the sweep resumes where it stopped and several
+sweeps over different recipes may share one --out.
 
 The H100 proxy (--h100): v5p-16's 8 chips (one 8-GPU node's count) judged against 72 GiB per chip
 (`--hbm_gib=72`: an 80 GB H100 less what the CUDA context, cuDNN workspaces and fragmentation take; XLA
@@ -122,6 +123,7 @@ class Sweep:
   def fits(self, recipe, topology, micro):
     """Whether every function fits with the margin at `micro` (compiling what is not recorded yet)."""
     hbm_gib = self.args.hbm_gib
+    self.rows = read_rows(self.args.out)        # another sweep may share --out: use its rows too
     have = {self.key(r): r for r in self.rows}
     failed_before = {r['fn'] for r in self.rows if (r['recipe'], r['topology'], r.get('hbm_gib', 0.0)) == (
         recipe, topology, hbm_gib) and r['outcome'] != 'fits'}

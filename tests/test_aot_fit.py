@@ -87,3 +87,11 @@ def test_a_function_that_failed_before_compiles_first(tmp_path, monkeypatch):
   too_big = [m for m in by_micro if m > 16]
   assert too_big and all(by_micro[m] == ['update'] for m in too_big)   # one compile per failing candidate
   assert sorted(by_micro[16]) == ['data_grads', 'rollout', 'update']   # the answer has all three peaks
+
+
+def test_two_sweeps_sharing_rows_compile_nothing_twice(tmp_path, monkeypatch):
+  first, ran, args = _sweep(tmp_path, monkeypatch, fits_at_or_below=4)
+  second = aot_fit.Sweep(args)                 # made before the first one compiles anything
+  assert first.best_micro_batch('r', 'v5p-8') == 4
+  done = len(ran)
+  assert second.best_micro_batch('r', 'v5p-8') == 4 and len(ran) == done
