@@ -73,7 +73,12 @@ def test_two_sigkills_then_resume_match_the_uninterrupted_run(tmp_path, referenc
   # Kill 1: in the update of iteration 3 (checkpoint 2 is the newest).
   code, killed, children, events, _ = _cli(workdir, _kill_on('rewards_ready', 3))
   assert killed and code == -signal.SIGKILL
-  assert [e['event'] for e in events][-1] == 'rewards_ready'
+  # The SIGKILL follows the event from another process: on busy cores the trainer may finish iteration 3's
+  # update first, but it never reaches another checkpoint (checkpoint 2 stays the newest).
+  seen = [(e['event'], e.get('it')) for e in events]
+  after = seen[seen.index(('rewards_ready', 3)) + 1:]
+  assert {name for name, _ in after} <= {'data_grad_done', 'update_done', 'iteration_start', 'rollout_done'}
+  assert ('update_done', 4) not in after
   time.sleep(1.0)
   assert not ft.alive(children), 'a reward worker outlived its killed trainer'
   # Kill 2: the resumed run, in the middle of saving checkpoint 4.
