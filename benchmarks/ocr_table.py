@@ -151,14 +151,15 @@ PLANS = {
     # against exact-KL FlowGRPO, 3 seeds, --iterations=600 --eval_every=50.
     'decide': ';'.join([f'ddrl@rl.data_beta={b}@rl.data_weighting=path_kl:0,1,2' for b in (0.03, 0.1, 0.3)] +
                        [f'flow_grpo_exact_kl@rl.kl_beta={b}:0,1,2' for b in (0.004, 0.01)]),
-    # Issue 45 on the shifted base (--base=SHIFTED_BASE, 200 iterations): the weighting's shape against its
-    # strength (cosmos-rl's at 0.03 ~ the total weight of path-KL at 0.1; path-KL at 0.3), the paper's
-    # eps-MSE, and SFT-then-DDRL against DDRL alone (the paper's Figure 5 comparison).
+    # Issue 45 on the shifted base (--base=SHIFTED_BASE): the weighting's shape against its strength
+    # (cosmos-rl's at 0.03 ~ the total weight of path-KL at 0.1; path-KL at 0.3), the paper's eps-MSE, and
+    # SFT-then-DDRL against DDRL alone (the paper's Figure 5 comparison) with the decided default data
+    # term (path-KL; DDRL alone at path-KL 0.1 is issue 28's `ocr_shifted_path_kl` arm, 3 seeds).
     'weighting': ';'.join(['ddrl@rl.data_beta=0.03:0,1,2',
                            'ddrl@rl.data_beta=0.3@rl.data_weighting=path_kl:0,1,2',
                            'ddrl@rl.data_beta=0.1@rl.data_weighting=eps_mse:0,1,2',
                            'ddrl@rl.data_beta=0.1:0,1,2',
-                           f'ddrl@rl.data_beta=0.1@ocr.base_checkpoint={DARK_SFT}:0,1,2']),
+                           f'ddrl@rl.data_beta=0.1@rl.data_weighting=path_kl@ocr.base_checkpoint={DARK_SFT}:0,1,2']),
 }
 
 
