@@ -46,7 +46,6 @@ GiB, 59 s). The default iteration is 81 forwards x 2 slots x 3.04e13 FLOPs = 4.9
 """
 import argparse
 import concurrent.futures
-import importlib.util
 import json
 import math
 import os
@@ -68,6 +67,7 @@ if _ROOT not in sys.path:
 
 from configs import cosmos2b  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ddrl_jax import aot  # pylint: disable=wrong-import-position
+from ddrl_jax import cli  # pylint: disable=wrong-import-position
 from ddrl_jax import config as config_lib  # pylint: disable=wrong-import-position
 from ddrl_jax import flops as flops_lib  # pylint: disable=wrong-import-position
 from ddrl_jax import program as program_lib  # pylint: disable=wrong-import-position
@@ -160,10 +160,7 @@ def load_config(spec):
   path = path if os.path.isabs(path) else os.path.join(_ROOT, path)
   if not os.path.exists(path):
     raise ValueError(f'--config={spec!r}: no file {path}')
-  module_spec = importlib.util.spec_from_file_location('gpu_step_config', path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
+  return cli.load_config(f'{path}:{arg}' if arg else path)
 
 
 def make_config(args, platform):

@@ -25,7 +25,6 @@ checked as the trainer checks it, and where each reward model runs. Each pool se
 'cpu' (the factories' default) or another index exits 2 naming the key.
 """
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -38,6 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)                        # configs/*.py import `configs` and `ddrl_jax`
 
+from ddrl_jax import cli                            # pylint: disable=g-import-not-at-top,wrong-import-position
 from ddrl_jax.parallel import mesh as mesh_lib      # pylint: disable=g-import-not-at-top,wrong-import-position
 from ddrl_jax.parallel import topology as topology_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -62,10 +62,7 @@ def load_config(spec):
     path = os.path.join(REPO, path)
   if not os.path.isfile(path):
     raise RenderError(f'config file {path!r} not found')
-  module_spec = importlib.util.spec_from_file_location('_ddrl_launch_config', path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return (module.get_config(arg) if arg else module.get_config()), path, arg
+  return cli.load_config(f'{path}:{arg}' if arg else path), path, arg
 
 
 def repo_relative(spec):
