@@ -4,6 +4,10 @@
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_fit.py                  # every recipe, v5p slices
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_fit.py --h100           # the 8 x H100 proxy table
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_fit.py --recipes=configs/sd35m.py:ddrl --report
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_fit.py --h100 --recipes=configs/cosmos2b.py@mesh.context=1
+
+A recipe is `FILE[:ARG][@key=value...]`: the overrides reach the compile as `--config.key=value` (and
+the candidates), e.g. model axes that one 8-GPU node can hold for a preset laid out for a pod.
 
 For each recipe and slice (smallest first) the sweep looks for the largest micro-batch whose rollout,
 data gradient and update all fit with --margin (10%) of the chip's memory to spare: the candidates are the
@@ -27,6 +31,7 @@ gets ~92% of 79.6 GiB). It is a proxy: the program is compiled for TPU (its fusi
 attention kernel), not for the GPU.
 """
 import argparse
+import ast
 import json
 import math
 import os
@@ -76,8 +81,10 @@ def mesh_overrides(recipe, topology):
 
 def compile_one(recipe, topology, fn, micro, hbm_gib, timeout_s):
   """One function's aot row (with outcome), or a row saying why there is none."""
-  cmd = [sys.executable, '-m', 'ddrl_jax.aot', f'--config={recipe}', f'--topology={topology}', f'--fns={fn}',
-         f'--config.micro_batch={micro}'] + mesh_overrides(recipe, topology)
+  spec, overrides = split_recipe(recipe)
+  cmd = [sys.executable, '-m', 'ddrl_jax.aot', f'--config={spec}', f'--topology={topology}', f'--fns={fn}',
+         f'--config.micro_batch={micro}'] + [f'--config.{k}={v}' for k, v in overrides.items()]
+  cmd += mesh_overrides(recipe, topology)
   if hbm_gib:
     cmd.append(f'--hbm_gib={hbm_gib}')
   env = dict(os.environ, JAX_PLATFORMS='cpu')
@@ -106,9 +113,36 @@ def candidates(recipe, topology):
   return aot.micro_batch_candidates(config, topology_lib.num_devices(topology, 1))
 
 
+def split_recipe(recipe):
+  """'configs/cosmos2b.py@mesh.context=1' -> ('configs/cosmos2b.py', {'mesh.context': '1'})."""
+  spec, *items = recipe.split('@')
+  overrides = {}
+  for item in items:
+    key, eq, value = item.partition('=')
+    if not eq or not key:
+      raise ValueError(f'recipe {recipe!r}: override {item!r} is not <config.key>=<value>')
+    overrides[key] = value
+  return spec, overrides
+
+
 def _load(recipe):
+  """The recipe's config with its overrides set (an unknown key raises naming it)."""
   from ddrl_jax import cli  # pylint: disable=g-import-not-at-top
-  return cli.load_config(os.path.join(ROOT, recipe))
+  spec, overrides = split_recipe(recipe)
+  config = cli.load_config(os.path.join(ROOT, spec))
+  for key, text in overrides.items():
+    *parents, leaf = key.split('.')
+    node = config
+    for part in parents:
+      node = node[part]
+    if leaf not in node:
+      raise ValueError(f'recipe {recipe!r}: config has no key {key!r}')
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      value = text
+    setattr(node, leaf, value)
+  return config
 
 
 class Sweep:

@@ -95,3 +95,26 @@ def test_two_sweeps_sharing_rows_compile_nothing_twice(tmp_path, monkeypatch):
   assert first.best_micro_batch('r', 'v5p-8') == 4
   done = len(ran)
   assert second.best_micro_batch('r', 'v5p-8') == 4 and len(ran) == done
+
+
+def test_a_recipe_carries_config_overrides_to_the_compile_and_the_candidates(monkeypatch):
+  assert aot_fit.split_recipe('configs/cosmos2b.py@mesh.context=1@mesh.fsdp=8') == (
+      'configs/cosmos2b.py', {'mesh.context': '1', 'mesh.fsdp': '8'})
+  with pytest.raises(ValueError, match='not <config.key>=<value>'):
+    aot_fit.split_recipe('configs/cosmos2b.py@mesh.context')
+  config = aot_fit._load('configs/cosmos2b.py@mesh.context=1')
+  assert config.mesh.context == 1 and config.mesh.fsdp == 8
+  with pytest.raises(ValueError, match="no key 'mesh.contxt'"):
+    aot_fit._load('configs/cosmos2b.py@mesh.contxt=1')
+  # The preset's model axes (fsdp 8 x context 2) need 16 chips; with context 1 they fit v5p-16's 8.
+  with pytest.raises(ValueError):
+    aot_fit.candidates('configs/cosmos2b.py', 'v5p-16')
+  assert aot_fit.candidates('configs/cosmos2b.py@mesh.context=1', 'v5p-16')[-1] == 1
+  commands = []
+  monkeypatch.setattr(subprocess, 'run', lambda cmd, **k: commands.append(cmd) or types.SimpleNamespace(
+      returncode=0, stderr='', stdout=json.dumps(dict(fn='update', fits=True, spare_fraction=0.5)) + '\n'))
+  aot_fit.compile_one('configs/cosmos2b.py@mesh.context=1', 'v5p-16', 'update', 4, 72.0, 10)
+  cmd = commands[0]
+  assert '--config=configs/cosmos2b.py' in cmd and '--config.mesh.context=1' in cmd
+  assert '--config.mesh.data=-1' in cmd and '--config.micro_batch=4' in cmd
+  assert cmd.index('--config.mesh.context=1') < cmd.index('--config.mesh.data=-1')
