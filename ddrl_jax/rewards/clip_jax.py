@@ -250,21 +250,10 @@ class Encoder(nnx.Module):
   """cfg.num_layers EncoderLayers stacked on a leading 'layers' axis, run under nnx.scan."""
 
   def __init__(self, cfg, rngs):
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    def make(r):
-      return EncoderLayer(cfg, r)
-
-    self.layers = make(rngs)
+    self.layers = layers.stacked(lambda r: EncoderLayer(cfg, r), cfg.num_layers, rngs)
 
   def __call__(self, x, causal):
-    def body(layer, carry):
-      return layer(carry, causal)
-
-    scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
-                    transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    return scan(self.layers, x)
+    return layers.scan_blocks(lambda layer, carry: layer(carry, causal), self.layers, x, 'none')
 
 
 def _embed(num, dim, names, param_dtype, rngs):
