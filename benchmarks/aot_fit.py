@@ -23,7 +23,9 @@ compile that kills the process (libtpu has died with signal 11 on programs far o
 instead of answering RESOURCE_EXHAUSTED) is recorded as outcome 'libtpu_crash', neither a fit nor a
 compiler out-of-memory verdict ('oom'), and counts as not fitting; the sweep goes on. Rows already in
 --out are reused (re-read before every micro-batch), so the sweep resumes where it stopped and several
-sweeps over different recipes may share one --out.
+sweeps over different recipes may share one --out. The ceiling (--hbm_gib) only judges a compile, so a
+row compiled for the same recipe, slice, micro-batch and function under another ceiling is re-judged
+(`rejudge`) instead of compiled again.
 
 The H100 proxy (--h100): v5p-16's 8 chips (one 8-GPU node's count) judged against 72 GiB per chip
 (`--hbm_gib=72`: an 80 GB H100 less what the CUDA context, cuDNN workspaces and fragmentation take; XLA
@@ -67,6 +69,20 @@ def outcome_of(row):
   if 'peak_bytes' in row:
     return 'over'
   return 'oom' if 'RESOURCE_EXHAUSTED' in str(row.get('error', '')) else 'error'
+
+
+def rejudge(row, topology, hbm_gib):
+  """`row` (compiled under another --hbm_gib) judged against `hbm_gib` (0: the chip's HBM): fits and
+  spare_fraction from its peak_bytes; an outcome without a peak (oom, libtpu_crash, ...) carries over, as
+  the program compiled is the same."""
+  from ddrl_jax.parallel import topology as topology_lib  # pylint: disable=g-import-not-at-top
+  out = dict(row, hbm_gib=hbm_gib, rejudged_from_hbm_gib=row.get('hbm_gib', 0.0), compile_s=0.0)
+  if row.get('peak_bytes') and outcome_of(row) in ('fits', 'over'):
+    hbm = int(hbm_gib * 2**30) if hbm_gib else topology_lib.hbm_bytes(topology)
+    fits = row['peak_bytes'] <= hbm
+    out.update(hbm_bytes=hbm, hbm_gib=hbm_gib, fits=fits, spare_fraction=round(1 - row['peak_bytes'] / hbm, 4),
+               outcome='fits' if fits else 'over')
+  return out
 
 
 def mesh_overrides(recipe, topology):
@@ -159,14 +175,20 @@ class Sweep:
     hbm_gib = self.args.hbm_gib
     self.rows = read_rows(self.args.out)        # another sweep may share --out: use its rows too
     have = {self.key(r): r for r in self.rows}
+    other_ceiling = {(r['recipe'], r['topology'], r['micro_batch'], r['fn']): r for r in self.rows
+                     if r.get('hbm_gib', 0.0) != hbm_gib and 'rejudged_from_hbm_gib' not in r}
     failed_before = {r['fn'] for r in self.rows if (r['recipe'], r['topology'], r.get('hbm_gib', 0.0)) == (
         recipe, topology, hbm_gib) and r['outcome'] != 'fits'}
     ok = True
     for fn in sorted(FUNCTIONS, key=lambda fn: fn not in failed_before):
       row = have.get((recipe, topology, hbm_gib, micro, fn))
       if row is None:
-        row = dict(compile_one(recipe, topology, fn, micro, hbm_gib, self.args.timeout_s), recipe=recipe,
-                   micro_batch=micro, hbm_gib=hbm_gib)
+        compiled = other_ceiling.get((recipe, topology, micro, fn))
+        if compiled is not None:
+          row = rejudge(compiled, topology, hbm_gib)
+        else:
+          row = dict(compile_one(recipe, topology, fn, micro, hbm_gib, self.args.timeout_s), recipe=recipe,
+                     micro_batch=micro, hbm_gib=hbm_gib)
         self.rows.append(row)
         with open(self.args.out, 'a') as f:
           f.write(json.dumps(row) + '\n')

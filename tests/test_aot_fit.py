@@ -118,3 +118,26 @@ def test_a_recipe_carries_config_overrides_to_the_compile_and_the_candidates(mon
   assert '--config=configs/cosmos2b.py' in cmd and '--config.mesh.context=1' in cmd
   assert '--config.mesh.data=-1' in cmd and '--config.micro_batch=4' in cmd
   assert cmd.index('--config.mesh.context=1') < cmd.index('--config.mesh.data=-1')
+
+
+def test_a_compile_under_another_ceiling_is_rejudged_not_compiled_again(tmp_path, monkeypatch):
+  sweep, ran, args = _sweep(tmp_path, monkeypatch, fits_at_or_below=16)
+  gib = 2**30
+  monkeypatch.setattr(aot_fit, 'candidates', lambda recipe, topology: [4, 2, 1])
+  peaks = {0: 90 * gib, 2: 60 * gib, 1: 30 * gib}
+  with open(args.out, 'w') as f:             # compiled against the chip's HBM (hbm_gib 0)
+    for micro, peak in peaks.items():
+      for fn in aot_fit.FUNCTIONS:
+        f.write(json.dumps(dict(recipe='r', topology='v5p-16', hbm_gib=0.0, micro_batch=micro, fn=fn,
+                                outcome='fits', fits=True, peak_bytes=peak,
+                                spare_fraction=round(1 - peak / (95.74 * gib), 4))) + '\n')
+  args.hbm_gib = 72.0
+  proxy = aot_fit.Sweep(args)
+  assert proxy.best_micro_batch('r', 'v5p-16') == 2 and not ran          # 90 GiB is over 72; 60 keeps 17%
+  rows = {(r['micro_batch'], r['fn']): r for r in aot_fit.read_rows(args.out) if r['hbm_gib'] == 72.0}
+  assert rows[(0, 'rollout')]['outcome'] == 'over' and rows[(0, 'rollout')]['rejudged_from_hbm_gib'] == 0.0
+  assert rows[(2, 'update')]['spare_fraction'] == round(1 - 60 / 72, 4)
+  # An outcome without a peak carries over; rejudged rows are not rejudged again.
+  assert aot_fit.rejudge(dict(outcome='oom', fits=False, hbm_gib=0.0), 'v5p-16', 72.0)['outcome'] == 'oom'
+  again = aot_fit.Sweep(args)
+  assert again.best_micro_batch('r', 'v5p-16') == 2 and not ran
