@@ -4,10 +4,10 @@
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_fit.py                  # every recipe, v5p slices
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_fit.py --h100           # the 8 x H100 proxy table
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_fit.py --recipes=configs/sd35m.py:ddrl --report
-  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_fit.py --h100 --recipes=configs/cosmos2b.py@mesh.context=1
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/aot_fit.py --recipes=configs/cosmos2b.py@mesh.context=4
 
 A recipe is `FILE[:ARG][@key=value...]`: the overrides reach the compile as `--config.key=value` (and
-the candidates), e.g. model axes that one 8-GPU node can hold for a preset laid out for a pod.
+the candidates), e.g. other model axes for a preset laid out for a pod.
 
 For each recipe and slice (smallest first) the sweep looks for the largest micro-batch whose rollout,
 data gradient and update all fit with --margin (10%) of the chip's memory to spare: the candidates are the
@@ -80,7 +80,7 @@ def rejudge(row, topology, hbm_gib):
   if row.get('peak_bytes') and outcome_of(row) in ('fits', 'over'):
     hbm = int(hbm_gib * 2**30) if hbm_gib else topology_lib.hbm_bytes(topology)
     fits = row['peak_bytes'] <= hbm
-    out.update(hbm_bytes=hbm, hbm_gib=hbm_gib, fits=fits, spare_fraction=round(1 - row['peak_bytes'] / hbm, 4),
+    out.update(hbm_bytes=hbm, fits=fits, spare_fraction=round(1 - row['peak_bytes'] / hbm, 4),
                outcome='fits' if fits else 'over')
   return out
 
