@@ -1086,8 +1086,10 @@ def average_last(rows, iteration, evaluations):
 
 
 def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl', iteration=None,
-           evaluations=1, contrast_reference='ddrl'):
-  """Writes <out>/<name>.jsonl (every row) and the plots; prints the tables. `levels`: the matched-OCR
+           evaluations=1, contrast_reference='ddrl', recorded=None):
+  """Writes <out>/<name>.jsonl and the plots; prints the tables of `rows`. `recorded`: the rows the
+  record keeps (default `rows`); a report of some cells passes every row of the workdir, so the record
+  never loses the cells it does not table. `levels`: the matched-OCR
   levels of the sweeps' comparison; `reference`: the cell whose final OCR the along-training comparison
   matches; `iteration`: the planned last iteration. Where it is given, a seed still short of it is left
   out of every table and plot once another seed of its method reached it (so a cell just started does
@@ -1097,7 +1099,7 @@ def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl',
   tables, frontiers and knees (the along-training plot and match keep every evaluation);
   `contrast_reference`: the cell the contrasts table subtracts every other cell from."""
   rows = with_numerics(rows)
-  write_rows(os.path.join(out, f'{name}.jsonl'), rows)
+  write_rows(os.path.join(out, f'{name}.jsonl'), rows if recorded is None else with_numerics(recorded))
   running = []
   if iteration is not None:
     rows, running = finished_seeds(rows, iteration)
@@ -1247,8 +1249,11 @@ def main(argv=None):
   elif not args.report:
     runner.run(cells)
   wanted = set(cells) | {('base', 0)}
-  report([r for r in runner.rows if (r['method'], r['seed']) in wanted], args.out, args.name,
-         args.levels, args.matched_reference, args.iterations, args.average_last, args.contrast_reference or 'ddrl')
+  # read again: another process may share the workdir (one cell list per core) and its rows are kept
+  every = read_rows(runner.rows_path)
+  report([r for r in every if (r['method'], r['seed']) in wanted], args.out, args.name,
+         args.levels, args.matched_reference, args.iterations, args.average_last, args.contrast_reference or 'ddrl',
+         recorded=every)
   strips = arms_samples(runner.rows, runner.samples_path, methods, args.iterations)
   if strips:
     image_grid.write_labelled_rows(os.path.join(args.out, f'{args.name}_arms.png'), strips)

@@ -667,6 +667,27 @@ def test_a_report_without_cells_reads_every_recorded_cell(tmp_path, capsys):
                     '--contrast_reference=ddrl'])
 
 
+def test_a_report_of_some_cells_keeps_every_recorded_row(tmp_path, capsys):
+  """--cells names the cells a run trains and tables; the committed record is every row of the workdir,
+  the other cells' included, and rows another process appended to the shared workdir after this one
+  started. (A queue split over two commands used to rewrite benchmarks/ocr_decide.jsonl with its own
+  cells only, and the other cells' rows were lost with the workdir.)"""
+  ref, other = 'ddrl@rl.data_beta=0.1', 'flow_grpo_exact_kl@rl.kl_beta=0.01'
+  rows = [_row('base', 0, 0, 0.25)] + [_row(ref, s, it, 0.3 + 0.01 * s) for s in range(3) for it in (0, 50)]
+  rows += [_row(other, 0, it, 0.4) for it in (0, 50)]
+  work, out = tmp_path / 'work', tmp_path / 'out'
+  work.mkdir()
+  out.mkdir()
+  ocr_table.write_rows(str(work / 'evaluations.jsonl'), rows)
+  ocr_table.main(['--report', '--name=split', f'--workdir={work}', f'--out={out}', f'--cells={other}:0'])
+  text = capsys.readouterr().out
+  assert f'| {ref} |' not in text                                   # tables: the named cells only
+  kept = ocr_table.read_rows(str(out / 'split.jsonl'))
+  assert len(kept) == len(rows)
+  assert sorted((r['method'], r['seed'], r['iteration']) for r in kept) == sorted(
+      (r['method'], r['seed'], r['iteration']) for r in rows)
+
+
 def test_rows_of_the_first_one_seed_table_are_read_as_seed_0(tmp_path, capsys):
   """benchmarks/ocr_table.jsonl's rows (the first version, --methods=...) carry no seed and count NFE, not
   passes: they are read as the config's seed 0, and the table leaves their cost column empty."""
