@@ -886,6 +886,117 @@ def matched_table(rows, levels=(0.45, 0.55), iteration=None):
   return '\n'.join(lines)
 
 
+def _seed_curves(rows, method, keys, iteration=None):
+  """(iterations, {key: (seeds, iterations) array}) of `method` at the iterations every seed reached (up
+  to `iteration`) and where every seed's row has every key; (None, None) without such iterations."""
+  seeds = by_cell(rows).get(method)
+  if not seeds:
+    return None, None
+  common = sorted(it for it in set.intersection(*(set(evals) for evals in seeds.values()))
+                  if (iteration is None or it <= iteration)
+                  and all(k in evals[it] for evals in seeds.values() for k in keys))
+  if not common:
+    return None, None
+  return np.array(common), {k: np.array([[evals[it][k] for it in common] for evals in seeds.values()])
+                            for k in keys}
+
+
+def matched_along_training(rows, method, level, judge, reward='ocr_heldout', iteration=None, draws=2000,
+                           seed=0):
+  """One arm's `judge` at reward `level` along its training: the seed-mean curves of reward and judge over
+  iterations 0..`iteration`, interpolated linearly at the first iteration where the mean reward reaches
+  `level` (the arm's frontier when it has one setting: fewer iterations are the stronger regularization,
+  so this is the same first-crossing rule as `_interpolate_at`'s). A 95% bootstrap interval resamples whole
+  seeds (a seed's curve stays together). Returns (value, low, high, bootstrap values, crossing iteration)
+  or None where the mean curve never reaches `level`."""
+  its, arrays = _seed_curves(rows, method, (reward, judge), iteration)
+  if its is None:
+    return None
+  y, x = arrays[reward], arrays[judge]
+
+  def at(picks):   # _interpolate_at walks its points from the last one: give them latest-first
+    return _interpolate_at(level, y[picks].mean(0)[::-1], x[picks].mean(0)[::-1])
+
+  everyone = np.arange(len(y))
+  value = at(everyone)
+  if value is None:
+    return None
+  crossing = _interpolate_at(level, y.mean(0)[::-1], its[::-1].astype(float))
+  rng = np.random.default_rng(seed)
+  boot = np.array([np.nan if (v := at(rng.integers(0, len(y), len(y)))) is None else v
+                   for _ in range(draws)])
+  low, high = np.nanpercentile(boot, [2.5, 97.5])
+  return value, float(low), float(high), boot, crossing
+
+
+def arms_matched_table(rows, methods, levels=(0.45, 0.55), iteration=None):
+  """Markdown: two or more single-setting arms (no sweep) at matched Tesseract OCR `levels`, each along its
+  own training (`matched_along_training`), and the first arm minus the second with the bootstrap interval
+  of the difference (independent seed resamples per arm, `bootstrap_stream`)."""
+  arms = [m for m in methods if m != 'base']
+  if len(arms) < 2:
+    return ''
+  head = ['Tesseract OCR', 'judge'] + [f'{LABELS.get(m, m)} (95% bootstrap; iteration)' for m in arms]
+  head.append(f'{LABELS.get(arms[0], arms[0])} - {LABELS.get(arms[1], arms[1])}')
+  lines = markdown_head(head)
+  for level in levels:
+    for judge, title, fmt in MATCHED_JUDGES:
+      found = [matched_along_training(rows, m, level, judge, iteration=iteration,
+                                      seed=bootstrap_stream(m)) for m in arms]
+      texts = [('not reached' if f is None else f'{f[0]:{fmt}} [{f[1]:{fmt}}, {f[2]:{fmt}}]; it {f[4]:.0f}')
+               for f in found]
+      a, b = found[0], found[1]
+      if a is None or b is None:
+        texts.append('-')
+      else:
+        diff = a[3] - b[3]
+        ok = np.isfinite(diff)
+        lo, hi = np.percentile(diff[ok], [2.5, 97.5]) if ok.any() else (np.nan, np.nan)
+        missing = f'; {1 - ok.mean():.0%} of resamples miss the level' if ok.mean() < 1 else ''
+        texts.append(f'{a[0] - b[0]:+{fmt}} [{lo:+{fmt}}, {hi:+{fmt}}]{missing}')
+      lines.append(f'| {level:.2f} | {title} | ' + ' | '.join(texts) + ' |')
+  return '\n'.join(lines)
+
+
+def hacking_onset(rows, method, iteration=None, outside_points=0.10, spread_share=0.5, level=0.45):
+  """The pre-registered E3 reading of one arm, on its seed-mean curves over iterations 0..`iteration`:
+  (onset, OCR at onset, first iteration at mean OCR >= `level`), where onset is the first evaluation at
+  which the outside share exceeds the base's by `outside_points` or the colour spread falls below
+  `spread_share` of the base's (each against the base of the rows' machine arithmetic); None for an
+  iteration the curves never reach. None where the arm has no rows or no base is recorded."""
+  bases = bases_by_numerics(rows)
+  its, arrays = _seed_curves(rows, method, ('ocr_heldout', 'typicality_outside', 'colour_spread'), iteration)
+  if its is None or not bases:
+    return None
+  first_row = next(iter(by_cell(rows)[method].values()))[int(its[0])]
+  base = base_for(bases, first_row)
+  ocr, outside, spread = (arrays[k].mean(0) for k in ('ocr_heldout', 'typicality_outside', 'colour_spread'))
+  hacked = (outside > base['typicality_outside'] + outside_points) | (spread < spread_share * base['colour_spread'])
+  onset = int(its[np.argmax(hacked)]) if hacked.any() else None
+  reached = ocr >= level
+  return (onset, float(ocr[np.argmax(hacked)]) if hacked.any() else None,
+          int(its[np.argmax(reached)]) if reached.any() else None)
+
+
+def onset_table(rows, methods, iteration=None, level=0.45):
+  """Markdown: `hacking_onset` of every arm (E3's pre-registered reading), with the seeds and the last
+  iteration the curves cover."""
+  lines = markdown_head(['arm', 'seeds', 'iterations read', 'onset (outside share > base + 10 points or '
+                         'colour spread < half the base\'s)', 'OCR at onset', f'first iteration at OCR >= {level}'])
+  for m in methods:
+    if m == 'base':
+      continue
+    found = hacking_onset(rows, m, iteration, level=level)
+    if found is None:
+      continue
+    its, _ = _seed_curves(rows, m, ('ocr_heldout', 'typicality_outside', 'colour_spread'), iteration)
+    onset, ocr, first = found
+    lines.append(f'| {LABELS.get(m, m)} | {len(by_cell(rows)[m])} | 0-{int(its[-1])} | '
+                 f'{"none" if onset is None else onset} | {"-" if ocr is None else f"{ocr:.3f}"} | '
+                 f'{"not reached" if first is None else first} |')
+  return '\n'.join(lines)
+
+
 def knee(rows, methods, reward='ocr_heldout', share=0.5, iteration=None):
   """The knee of a sweep whose `methods` run from weak to strong regularization: the strongest setting
   whose mean `reward` gain over the base (`gain`: the base of each row's own machine arithmetic) keeps
@@ -1086,10 +1197,12 @@ def average_last(rows, iteration, evaluations):
 
 
 def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl', iteration=None,
-           evaluations=1, contrast_reference='ddrl', recorded=None):
+           evaluations=1, contrast_reference='ddrl', recorded=None, arms=None):
   """Writes <out>/<name>.jsonl and the plots; prints the tables of `rows`. `recorded`: the rows the
   record keeps (default `rows`); a report of some cells passes every row of the workdir, so the record
-  never loses the cells it does not table. `levels`: the matched-OCR
+  never loses the cells it does not table; `arms`: the methods in the order of --cells (without a sweep,
+  the first two are compared at matched reward along training, the first minus the second; default:
+  the rows' order). `levels`: the matched-OCR
   levels of the sweeps' comparison; `reference`: the cell whose final OCR the along-training comparison
   matches; `iteration`: the planned last iteration. Where it is given, a seed still short of it is left
   out of every table and plot once another seed of its method reached it (so a cell just started does
@@ -1123,6 +1236,15 @@ def report(rows, out, name='ocr_methods', levels=(0.45, 0.55), reference='ddrl',
     print(matched_table(at_end, levels, iteration))
     print()
     print(knee_text(at_end, iteration))
+  recorded_methods = [m for m in by_cell(rows) if m != 'base']
+  arms = [m for m in (arms or recorded_methods) if m in recorded_methods]
+  if not sweeps(recorded_methods) and len(arms) >= 2:    # single-setting arms: matched along training
+    print()
+    print(arms_matched_table(rows, arms, levels, iteration))
+  onsets = onset_table(rows, arms, iteration)
+  if onsets.count('\n') > 1:
+    print()
+    print(onsets)
   if running:
     print()
     print(f'still running (left out until they reach iteration {iteration}): ' +
@@ -1253,7 +1375,7 @@ def main(argv=None):
   every = read_rows(runner.rows_path)
   report([r for r in every if (r['method'], r['seed']) in wanted], args.out, args.name,
          args.levels, args.matched_reference, args.iterations, args.average_last, args.contrast_reference or 'ddrl',
-         recorded=every)
+         recorded=every, arms=methods)
   strips = arms_samples(runner.rows, runner.samples_path, methods, args.iterations)
   if strips:
     image_grid.write_labelled_rows(os.path.join(args.out, f'{args.name}_arms.png'), strips)

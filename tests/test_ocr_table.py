@@ -820,3 +820,66 @@ def test_matched_bootstrap_streams_are_independent_per_sweep_and_the_interval_is
   assert set(seeds) == {ocr_table.bootstrap_stream(a_name), ocr_table.bootstrap_stream(b_name)}
   for title in ('colour spread', 'diversity', 'typicality'):
     assert title in text
+
+
+def _arm_rows(method, curves, its=(0, 50, 100, 150)):
+  """Rows of one arm: curves[seed] = [(ocr, judge, outside, spread) per iteration]."""
+  return [_row(method, s, it, ocr, typicality=j, typicality_outside=o, colour_spread=c)
+          for s, curve in enumerate(curves) for it, (ocr, j, o, c) in zip(its, curve)]
+
+
+def test_an_arm_is_matched_along_its_training_at_the_first_crossing_with_whole_seed_resamples():
+  """One setting per arm (the cut deciding run): the seed-mean OCR curve over iterations is read at its
+  first crossing of the level (fewest iterations: the strongest regularization), the judge interpolated
+  there; a curve that crosses back and again is not read at the later crossing. The bootstrap resamples
+  whole seeds: with two seeds the 2.5/97.5 percentiles are the two seeds' own values (each all-one-seed
+  resample has probability 1/4), which 25/75 percentiles or per-iteration resampling would not give."""
+  same = [(0.2, 1.0, 0, 0.5), (0.4, 2.0, 0, 0.5), (0.6, 3.0, 0, 0.5), (0.2, 9.0, 0, 0.5)]
+  rows = _arm_rows('ddrl', [same, same])
+  value, low, high, _, crossing = ocr_table.matched_along_training(rows, 'ddrl', 0.5, 'typicality')
+  assert (value, low, high) == pytest.approx((2.5, 2.5, 2.5)) and crossing == pytest.approx(75.0)
+  twice = [(0.2, 1.0, 0, 0.5), (0.6, 2.0, 0, 0.5), (0.3, 5.0, 0, 0.5), (0.7, 7.0, 0, 0.5)]
+  value, *_, crossing = ocr_table.matched_along_training(_arm_rows('ddrl', [twice]), 'ddrl', 0.4, 'typicality')
+  assert value == pytest.approx(1.5) and crossing == pytest.approx(25.0)      # not 6.0 at the third segment
+  seed0 = [(0.2, 1.0, 0, 0.5), (0.6, 2.0, 0, 0.5)] * 2
+  seed1 = [(0.2, 1.0, 0, 0.5), (0.6, 4.0, 0, 0.5)] * 2
+  value, low, high, boot, _ = ocr_table.matched_along_training(
+      _arm_rows('ddrl', [seed0, seed1], its=(0, 50)), 'ddrl', 0.4, 'typicality', seed=1)
+  assert value == pytest.approx(2.0)                           # halfway: 1.0 -> (2 + 4) / 2
+  assert (low, high) == pytest.approx((1.5, 2.5))              # seed 0 alone, seed 1 alone
+  assert np.isclose(boot, 2.0).mean() == pytest.approx(0.5, abs=0.05)
+  assert ocr_table.matched_along_training(rows, 'ddrl', 0.9, 'typicality') is None
+
+
+def test_arms_are_compared_at_matched_reward_and_the_onset_of_hacking_is_read_by_the_registered_rule(
+    tmp_path, capsys):
+  """Two single-setting arms: the report prints each arm's judges at the level and the first minus the
+  second (the --cells order); E3's onset is the first evaluation where the outside share exceeds the
+  base's by 10 points or the colour spread falls below half the base's."""
+  base = _row('base', 0, 0, 0.2, typicality=1.0, typicality_outside=0.05, colour_spread=0.5)
+  ddrl = _arm_rows('ddrl@rl.data_beta=0.1', [[(0.2, 1.0, 0.05, 0.5), (0.4, 2.0, 0.10, 0.4),
+                                              (0.6, 3.0, 0.12, 0.3), (0.7, 3.0, 0.20, 0.3)]] * 2)
+  flow = _arm_rows('flow_grpo_exact_kl@rl.kl_beta=0.01', [[(0.2, 1.0, 0.05, 0.5), (0.6, 5.0, 0.05, 0.24),
+                                                          (0.7, 6.0, 0.05, 0.2), (0.8, 6.0, 0.05, 0.2)]] * 2)
+  rows = [base] + ddrl + flow
+  assert ocr_table.hacking_onset(rows, 'ddrl@rl.data_beta=0.1') == (150, 0.7, 100)           # outside 0.20
+  assert ocr_table.hacking_onset(rows, 'flow_grpo_exact_kl@rl.kl_beta=0.01') == (50, 0.6, 50)  # spread 0.24
+  assert ocr_table.hacking_onset(rows, 'ddrl@rl.data_beta=0.1', iteration=100) == (None, None, 100)
+  arms = ['ddrl@rl.data_beta=0.1', 'flow_grpo_exact_kl@rl.kl_beta=0.01']
+  text = ocr_table.arms_matched_table(rows, arms, levels=(0.5,))
+  line = next(l for l in text.splitlines() if l.startswith('| 0.50 | typicality (judge'))
+  # DDRL reaches 0.5 at iteration 75 (judge 2.5), FlowGRPO at 37.5 (judge 1 + 0.75 * 4 = 4.0)
+  assert '2.5000 [2.5000, 2.5000]; it 75' in line and '4.0000 [4.0000, 4.0000]; it 38' in line
+  assert line.rstrip(' |').endswith('-1.5000 [-1.5000, -1.5000]')
+  assert 'colour spread' in text and 'diversity' in text
+  onsets = ocr_table.onset_table(rows, arms)
+  assert '| 150 | 0.700 | 100 |' in onsets and '| 50 | 0.600 | 50 |' in onsets
+  work = tmp_path / 'work'
+  work.mkdir()
+  ocr_table.write_rows(str(work / 'evaluations.jsonl'), rows)
+  capsys.readouterr()
+  ocr_table.main(['--report', '--name=arms', f'--workdir={work}', f'--out={tmp_path}', '--levels=0.5',
+                  f'--cells={arms[1]}:0,1;{arms[0]}:0,1'])                  # FlowGRPO named first
+  printed = capsys.readouterr().out
+  assert f'| {arms[1]} - {arms[0]} |' in printed and '+1.5000 [+1.5000, +1.5000]' in printed
+  assert '| 150 | 0.700 | 100 |' in printed
