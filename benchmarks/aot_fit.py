@@ -33,7 +33,6 @@ gets ~92% of 79.6 GiB). It is a proxy: the program is compiled for TPU (its fusi
 attention kernel), not for the GPU.
 """
 import argparse
-import ast
 import json
 import math
 import os
@@ -144,21 +143,11 @@ def split_recipe(recipe):
 def _load(recipe):
   """The recipe's config with its overrides set (an unknown key raises naming it)."""
   from ddrl_jax import cli  # pylint: disable=g-import-not-at-top
+  from ddrl_jax import config_overrides  # pylint: disable=g-import-not-at-top
   spec, overrides = split_recipe(recipe)
   config = cli.load_config(os.path.join(ROOT, spec))
-  for key, text in overrides.items():
-    *parents, leaf = key.split('.')
-    node = config
-    for part in parents:
-      node = node[part]
-    if leaf not in node:
-      raise ValueError(f'recipe {recipe!r}: config has no key {key!r}')
-    try:
-      value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-      value = text
-    setattr(node, leaf, value)
-  return config
+  return config_overrides.apply(
+      config, {k: config_overrides.parse_value(v) for k, v in overrides.items()}, f'recipe {recipe!r}')
 
 
 class Sweep:

@@ -58,7 +58,6 @@ every method at the first evaluation where it reached DDRL's final OCR (regulari
 (ocr_table.jsonl / ocr_table*.png are the earlier 80-iteration, one-seed table of RESULTS.md.)
 """
 import argparse
-import ast
 import collections
 import hashlib
 import re
@@ -77,6 +76,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from configs import ocr_tiny
+from ddrl_jax import config_overrides
 from ddrl_jax import flops as flops_lib
 from ddrl_jax import image_grid
 from ddrl_jax import metrics as metrics_lib
@@ -176,31 +176,10 @@ def shifted_plan(data_beta, kl_beta, seeds='0,1,2'):
 
 def parse_overrides(text):
   """'rl.data_beta=0.03@rl.kl_form=exact' -> {'rl.data_beta': 0.03, 'rl.kl_form': 'exact'}."""
-  out = {}
-  for item in filter(None, text.split('@')):
-    key, eq, value = item.partition('=')
-    if not eq or not re.fullmatch(r'[A-Za-z_][\w.]*', key):
-      raise ValueError(f'override {item!r} is not <config.key>=<value>')
-    try:
-      out[key] = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-      out[key] = value
-  return out
+  return config_overrides.parse(text)
 
 
-def apply_overrides(config, overrides, what):
-  """Sets each dotted key of `overrides` on `config`; an unknown key raises naming `what`."""
-  for key, value in overrides.items():
-    *parents, leaf = key.split('.')
-    node = config
-    for p in parents:
-      if p not in node:
-        raise ValueError(f'{what}: config has no section {p!r} (in {key!r})')
-      node = node[p]
-    if leaf not in node:
-      raise ValueError(f'{what}: config has no key {key!r}')
-    setattr(node, leaf, tuple(value) if isinstance(value, list) else value)
-  return config
+apply_overrides = config_overrides.apply
 
 
 # Every cell of these tables (issues 14 to 45) was recorded while the presets' data term was cosmos-rl's
