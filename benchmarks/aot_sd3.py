@@ -8,16 +8,18 @@ HBM of each function at each preset's batch, one subprocess per (preset, topolog
 
 Each row is `python -m ddrl_jax.aot`'s JSON line plus `preset`; a compile that kills the process (libtpu
 has segfaulted on programs far over a chip's HBM instead of answering RESOURCE_EXHAUSTED) is recorded as
-{"fits": false, "error": "compiler process died with signal N"}. Rows already in --out are skipped, so
+{"fits": null, "outcome": "libtpu_crash", "error": "compiler process died with signal N"} (rows before
+issue 49 recorded it as "fits": false). Rows already in --out are skipped, so
 an interrupted sweep resumes. A topology is tried for a preset only while the smaller ones did not fit.
 """
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import aot_fit  # pylint: disable=g-import-not-at-top,wrong-import-position
 FUNCTIONS = ('rollout', 'data_grads', 'update')
 
 
@@ -29,21 +31,9 @@ def done_rows(path):
 
 
 def compile_one(config, preset, topology, fn, timeout_s):
-  """The aot row of one function (or a failure row)."""
-  cmd = [sys.executable, '-m', 'ddrl_jax.aot', f'--config={config}:{preset}',
-         f'--topology={topology}', f'--fns={fn}']
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  try:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
-                          check=False)
-  except subprocess.TimeoutExpired:
-    return dict(fn=fn, topology=topology, fits=None, error=f'compile over {timeout_s} s')
-  rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{')]
-  if rows:
-    return rows[-1]
-  why = (f'compiler process died with signal {-proc.returncode}' if proc.returncode < 0 else
-         f'exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1][:300] if proc.stderr else ""}')
-  return dict(fn=fn, topology=topology, fits=False, error=why)
+  """The aot row of one function at the preset's whole batch (or a row saying why there is none: a
+  timeout, an error, or 'libtpu_crash' with fits None, never a fit or a plain miss), as aot_fit compiles."""
+  return aot_fit.compile_one(f'{config}:{preset}', topology, fn, 0, 0.0, timeout_s)
 
 
 def main():
@@ -67,7 +57,7 @@ def main():
         with open(args.out, 'a') as f:
           f.write(json.dumps(row) + '\n')
         print(json.dumps({k: row.get(k) for k in ('preset', 'topology', 'fn', 'peak_bytes', 'fits',
-                                                   'spare_fraction', 'error')}), flush=True)
+                                                   'spare_fraction', 'outcome', 'error')}), flush=True)
       fitted = [r for r in rows if r['preset'] == preset and r['topology'] == topology
                 and r.get('config', 'configs/sd35m.py') == args.config]
       if len(fitted) == len(FUNCTIONS) and all(r.get('fits') and r.get('spare_fraction', 0) >= 0.1

@@ -141,3 +141,16 @@ def test_a_compile_under_another_ceiling_is_rejudged_not_compiled_again(tmp_path
   assert aot_fit.rejudge(dict(outcome='oom', fits=False, hbm_gib=0.0), 'v5p-16', 72.0)['outcome'] == 'oom'
   again = aot_fit.Sweep(args)
   assert again.best_micro_batch('r', 'v5p-16') == 2 and not ran
+
+
+def test_the_family_sweep_records_a_crash_as_a_crash_and_compiles_the_whole_batch(monkeypatch):
+  """benchmarks/aot_sd3.py compiles through aot_fit.compile_one: the preset's whole batch (micro_batch
+  0), and a compiler that dies is 'libtpu_crash' with fits None (it used to be recorded as fits False)."""
+  import aot_sd3  # pylint: disable=g-import-not-at-top
+  commands = []
+  monkeypatch.setattr(aot_fit, 'mesh_overrides', lambda recipe, topology: [])
+  monkeypatch.setattr(subprocess, 'run', lambda cmd, **k: commands.append(cmd) or types.SimpleNamespace(
+      returncode=-11, stdout='', stderr=''))
+  row = aot_sd3.compile_one('configs/sd35m.py', 'flow_grpo', 'v5p-8', 'rollout', 10)
+  assert row['outcome'] == 'libtpu_crash' and row['fits'] is None and 'signal 11' in row['error']
+  assert '--config=configs/sd35m.py:flow_grpo' in commands[0] and '--config.micro_batch=0' in commands[0]
