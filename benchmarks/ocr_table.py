@@ -174,11 +174,8 @@ def shifted_plan(data_beta, kl_beta, seeds='0,1,2'):
   return ';'.join(f'{arm}:{seeds}' for arm in arms)
 
 
-def parse_overrides(text):
-  """'rl.data_beta=0.03@rl.kl_form=exact' -> {'rl.data_beta': 0.03, 'rl.kl_form': 'exact'}."""
-  return config_overrides.parse(text)
-
-
+# 'rl.data_beta=0.03@rl.kl_form=exact' -> {'rl.data_beta': 0.03, 'rl.kl_form': 'exact'}, and its setter
+parse_overrides = config_overrides.parse
 apply_overrides = config_overrides.apply
 
 
@@ -833,6 +830,19 @@ def matched_judge(rows, methods, level, judge, reward='ocr_heldout', iteration=N
   return value, float(low), float(high), boot
 
 
+def difference_text(a, b, fmt):
+  """'value [low, high]' of a - b for two matched readings (value, low, high, bootstrap values, ...): the
+  95% interval of the paired bootstrap differences where both resamples reach the level, and the share
+  of resamples where one does not; '-' where either side never reaches it."""
+  if a is None or b is None:
+    return '-'
+  diff = a[3] - b[3]
+  ok = np.isfinite(diff)
+  lo, hi = np.percentile(diff[ok], [2.5, 97.5]) if ok.any() else (np.nan, np.nan)
+  missing = f'; {1 - ok.mean():.0%} of resamples miss the level' if ok.mean() < 1 else ''
+  return f'{a[0] - b[0]:+{fmt}} [{lo:+{fmt}}, {hi:+{fmt}}]{missing}'
+
+
 def matched_table(rows, levels=(0.45, 0.55), iteration=None):
   """Markdown: each sweep's judges at matched Tesseract OCR `levels`, and the difference of the first two
   sweeps (DDRL - FlowGRPO in the Pareto plan) with its bootstrap interval (resamples where both reach
@@ -852,15 +862,7 @@ def matched_table(rows, levels=(0.45, 0.55), iteration=None):
                              seed=bootstrap_stream(n)) for n in names]
       texts = [('not reached' if f is None else f'{f[0]:{fmt}} [{f[1]:{fmt}}, {f[2]:{fmt}}]') for f in found]
       if len(names) >= 2:
-        a, b = found[0], found[1]
-        if a is None or b is None:
-          texts.append('-')
-        else:
-          diff = a[3] - b[3]
-          ok = np.isfinite(diff)
-          lo, hi = np.percentile(diff[ok], [2.5, 97.5]) if ok.any() else (np.nan, np.nan)
-          missing = f'; {1 - ok.mean():.0%} of resamples miss the level' if ok.mean() < 1 else ''
-          texts.append(f'{a[0] - b[0]:+{fmt}} [{lo:+{fmt}}, {hi:+{fmt}}]{missing}')
+        texts.append(difference_text(found[0], found[1], fmt))
       lines.append(f'| {level:.2f} | {title} | ' + ' | '.join(texts) + ' |')
   return '\n'.join(lines)
 
@@ -924,15 +926,7 @@ def arms_matched_table(rows, methods, levels=(0.45, 0.55), iteration=None):
                                       seed=bootstrap_stream(m)) for m in arms]
       texts = [('not reached' if f is None else f'{f[0]:{fmt}} [{f[1]:{fmt}}, {f[2]:{fmt}}]; it {f[4]:.0f}')
                for f in found]
-      a, b = found[0], found[1]
-      if a is None or b is None:
-        texts.append('-')
-      else:
-        diff = a[3] - b[3]
-        ok = np.isfinite(diff)
-        lo, hi = np.percentile(diff[ok], [2.5, 97.5]) if ok.any() else (np.nan, np.nan)
-        missing = f'; {1 - ok.mean():.0%} of resamples miss the level' if ok.mean() < 1 else ''
-        texts.append(f'{a[0] - b[0]:+{fmt}} [{lo:+{fmt}}, {hi:+{fmt}}]{missing}')
+      texts.append(difference_text(found[0], found[1], fmt))
       lines.append(f'| {level:.2f} | {title} | ' + ' | '.join(texts) + ' |')
   return '\n'.join(lines)
 
